@@ -1,0 +1,231 @@
+"""The stage switch: the one place where a backend is chosen for each stage.
+
+Stages and backends
+-------------------
+Every stage of the MoE all-to-all pipeline (``STAGES``) can run on one of three backends:
+
+``"triton"``      our Triton kernels (``kernels/``); a CUDA device, or CPU tensors under
+                  ``TRITON_INTERPRET=1`` (Triton's interpreter, slow, for tests);
+``"flashinfer"``  FlashInfer's fused CUDA path, imported lazily by the adapters in ``a2a/``;
+``"torch"``       the plain-torch reference (``kernels/reference.py``) or, for the transport,
+                  ``torch.distributed.all_to_all_single``; runs anywhere.
+
+``"auto"`` picks the first backend of ``AUTO_ORDER[stage]`` that can run here; it is the only
+choice that may fall back. An explicit choice that cannot run raises :class:`BackendUnavailable`
+naming the reason and the choices that can.
+
+Defaults come from the environment variable ``MOE_A2A_BACKENDS``, read once per process, e.g.
+``MOE_A2A_BACKENDS="prepare=flashinfer,quantize=triton"``; stages it does not name default to
+``"auto"``. A ``backend=`` keyword on a call overrides it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Callable, Optional
+
+import torch
+
+STAGES = ("routing", "permute", "prepare", "quantize", "transport")
+BACKENDS = ("triton", "flashinfer", "torch")
+ENV_VAR = "MOE_A2A_BACKENDS"
+
+# What "auto" tries, in order. FlashInfer comes after Triton: it is the comparison path, and its
+# fp4 quantizer silently writes nothing below SM100 (see ``_quantize_flashinfer``).
+AUTO_ORDER = {
+    "routing": ("triton", "torch"),
+    "permute": ("triton", "torch"),
+    "prepare": ("triton", "torch"),
+    "quantize": ("triton", "torch"),
+    "transport": ("flashinfer", "torch"),
+}
+
+# Compute capability major of Blackwell, the first architecture FlashInfer's fp4/mx quantize
+# kernels are compiled for.
+BLACKWELL_SM_MAJOR = 10
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run here. The message says why and what can."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability predicates (cheap, no FlashInfer import)
+# ---------------------------------------------------------------------------------------------
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def flashinfer_installed() -> bool:
+    """True when the ``flashinfer`` package can be found. Does not import it."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """Compute capability ``(major, minor)`` of a CUDA ``device``; None for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def sm_major(device: torch.device) -> Optional[int]:
+    """Compute capability major of a CUDA ``device``; None for any other device."""
+    cap = capability(device)
+    return cap[0] if cap is not None else None
+
+
+def cuda_device_count() -> int:
+    """Number of visible CUDA GPUs (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Why a (stage, backend) cannot run: None when it can
+# ---------------------------------------------------------------------------------------------
+
+def _triton(device: torch.device, **_) -> Optional[str]:
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and triton_interpreting():
+        return None
+    return (f"Triton kernels need a CUDA tensor, or CPU tensors with TRITON_INTERPRET=1 set "
+            f"before triton is imported; got a tensor on {device}")
+
+
+def _torch(device: torch.device, **_) -> Optional[str]:
+    return None
+
+
+def _flashinfer_common(device: torch.device) -> Optional[str]:
+    if not flashinfer_installed():
+        return "FlashInfer is not installed (pip install flashinfer-python)"
+    if device.type != "cuda":
+        return f"FlashInfer's kernels need a CUDA tensor; got a tensor on {device}"
+    return None
+
+
+def _quantize_flashinfer(device: torch.device, **_) -> Optional[str]:
+    major = sm_major(device)
+    if major is not None and major >= BLACKWELL_SM_MAJOR:
+        return _flashinfer_common(device)
+    here = f"SM{major}0" if major is not None else f"no CUDA device ({device})"
+    return ("FlashInfer's fp4/mx quantize kernels are compiled only for SM100+ (their body is "
+            "guarded by __CUDA_ARCH__ >= 1000); below that, fp4_quantize launches, writes "
+            "nothing and returns uninitialised memory without an error. This machine has "
+            f"{here}")
+
+
+def _routing_flashinfer(device: torch.device, method: Optional[str] = None, **_) -> Optional[str]:
+    common = _flashinfer_common(device)
+    if common:
+        return common
+    major = sm_major(device)
+    if method == "deepseek_v3":
+        cap = capability(device)
+        if cap >= (8, 9):
+            return None
+        return (f"FlashInfer's fused_topk_deepseek runs on SM89 and newer; this device is "
+                f"SM{cap[0]}{cap[1]}")
+    if major is not None and major >= BLACKWELL_SM_MAJOR:
+        return None
+    return (f"FlashInfer's general routing kernels are Blackwell-only (SM100+); on SM{major}0 it "
+            f"runs only method='deepseek_v3' (fused_topk_deepseek); asked for method={method!r}")
+
+
+def _permute_flashinfer(device: torch.device, **_) -> Optional[str]:
+    return "FlashInfer has no standalone expert permutation (it is fused into its MoE GEMMs)"
+
+
+def _distributed_flashinfer(device: torch.device, **_) -> Optional[str]:
+    return _flashinfer_common(device)
+
+
+_REASONS: dict[tuple[str, str], Callable[..., Optional[str]]] = {}
+for _stage in STAGES:
+    _REASONS[(_stage, "triton")] = _triton
+    _REASONS[(_stage, "torch")] = _torch
+_REASONS[("routing", "flashinfer")] = _routing_flashinfer
+_REASONS[("permute", "flashinfer")] = _permute_flashinfer
+_REASONS[("prepare", "flashinfer")] = _distributed_flashinfer
+_REASONS[("quantize", "flashinfer")] = _quantize_flashinfer
+_REASONS[("transport", "flashinfer")] = _distributed_flashinfer
+
+
+def why_unavailable(stage: str, backend: str, device, **context) -> Optional[str]:
+    """Why ``backend`` cannot run ``stage`` on ``device``; None when it can.
+
+    ``context`` carries what a stage's rule needs, e.g. ``method="deepseek_v3"`` for routing.
+    """
+    _check_stage(stage)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS + ('auto',)}")
+    return _REASONS[(stage, backend)](device=torch.device(device), **context)
+
+
+def available_backends(stage: str, device, **context) -> tuple[str, ...]:
+    """The backends that can run ``stage`` on ``device`` here, in ``BACKENDS`` order."""
+    return tuple(b for b in BACKENDS if why_unavailable(stage, b, device, **context) is None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults and resolution
+# ---------------------------------------------------------------------------------------------
+
+def parse_backends(spec: str) -> dict[str, str]:
+    """Parse ``"prepare=flashinfer,quantize=triton"`` into ``{stage: backend}``.
+
+    Raises ValueError naming the bad part: unknown stage, unknown backend, or no ``=``.
+    """
+    choices: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        stage, sep, backend = (s.strip() for s in part.partition("="))
+        if not sep:
+            raise ValueError(f"{ENV_VAR}: {part!r} is not 'stage=backend'")
+        _check_stage(stage)
+        if backend not in BACKENDS + ("auto",):
+            raise ValueError(f"{ENV_VAR}: backend {backend!r} for stage {stage!r} is not one of "
+                             f"{BACKENDS + ('auto',)}")
+        choices[stage] = backend
+    return choices
+
+
+@functools.lru_cache(maxsize=1)
+def default_backends() -> dict[str, str]:
+    """Each stage's default backend, from ``MOE_A2A_BACKENDS`` (read once per process)."""
+    defaults = {stage: "auto" for stage in STAGES}
+    defaults.update(parse_backends(os.environ.get(ENV_VAR, "")))
+    return defaults
+
+
+def resolve(stage: str, backend: Optional[str], device, **context) -> str:
+    """The backend that will run ``stage`` for a tensor on ``device``.
+
+    ``backend=None`` takes the default (``MOE_A2A_BACKENDS`` or ``"auto"``). ``"auto"`` returns
+    the first backend of ``AUTO_ORDER[stage]`` that can run; an explicit backend that cannot
+    run raises :class:`BackendUnavailable` with the reason and the backends that can.
+    """
+    _check_stage(stage)
+    device = torch.device(device)
+    requested = backend if backend is not None else default_backends()[stage]
+    if requested == "auto":
+        for candidate in AUTO_ORDER[stage]:
+            if why_unavailable(stage, candidate, device, **context) is None:
+                return candidate
+        return "torch"
+    reason = why_unavailable(stage, requested, device, **context)
+    if reason is None:
+        return requested
+    can = available_backends(stage, device, **context)
+    raise BackendUnavailable(
+        f"{stage} backend {requested!r} cannot run here: {reason}. "
+        f"Backends that can: {', '.join(can) if can else 'none'} (or 'auto').")
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not one of {STAGES}")

@@ -1,0 +1,1 @@
+"""The benchmark: every stage and the whole MoE layer, per backend, side by side."""

@@ -1,0 +1,5 @@
+"""Triton kernels for MoE expert parallelism, and their plain-torch oracle (``kernels.reference``).
+
+Pure compute: nothing here imports torch.distributed, FlashInfer or ``a2a``. One module per op
+holds its ``@triton.jit`` kernels and launcher; ``kernels.types`` holds the shared result types.
+"""

@@ -1,0 +1,57 @@
+"""Helpers for the tests: the float tolerance table and the multi-rank runner."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Float outputs are compared with this table, stated once (index outputs and NVFP4/MX codes are
+# compared exactly). Keyed by the dtype of the output.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs) -> None:
+    """``torch.testing.assert_close`` with the tolerance of ``expected``'s dtype."""
+    torch.testing.assert_close(actual, expected, **{**TOLERANCES[expected.dtype], **kwargs})
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, use_cuda: bool,
+               body: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", rank) if use_cuda else None)
+    try:
+        body(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, body: Callable, *args, cuda: bool = False) -> None:
+    """Run ``body(rank, world_size, *args)`` on ``world_size`` processes in one process group:
+    NCCL with one GPU per rank when ``cuda``, else gloo on CPU. ``body`` must be a module-level
+    function (it is pickled). Skips with the reason when there are too few GPUs; an exception in
+    any rank fails the test."""
+    if cuda and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA GPUs, {torch.cuda.device_count()} visible")
+    mp.spawn(_rank_main, args=(world_size, free_port(), cuda, body, args), nprocs=world_size,
+             join=True)
