@@ -1,0 +1,259 @@
+"""The one loop that runs every stage: build inputs, check each path against the oracle, time
+the paths that agree, and turn the result into records.
+
+A record (one dict per stage, shape and backend) is the unit of the JSON and of the table:
+``stage, backend, gpu, num_gpus, shape, dtype, time_us, p20_us, p80_us, bytes, local_bytes,
+remote_bytes, gbps, pct_of_limit, ok, note, timing``. ``ok`` is True (checked, then timed),
+False (output differs or the call failed; never timed) or None (the path cannot run here, or
+there was no oracle to check it against; ``note`` says why).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from bench.stages import Path, Stage, Sweep, Unavailable
+from bench.timing import Timing, time_cpu, time_fixed, time_gpu
+
+
+@dataclass
+class RunContext:
+    """Where the bench runs: device, ranks, limits.
+
+    ``group`` is the torch.distributed group of the ranks (None in a single process).
+    ``limits``: measured bandwidths in GB/s (``hbm_gbps``, ``nvlink_gbps``); empty on CPU.
+    ``shared``: per-run objects a stage may keep across shapes (e.g. transport workspaces).
+    """
+
+    device: torch.device
+    gpu: str
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    limits: dict = field(default_factory=dict)
+    shared: dict = field(default_factory=dict)
+
+    @property
+    def interpreter(self) -> bool:
+        return self.device.type != "cuda"
+
+    def agree(self, ok: bool) -> bool:
+        """True only when ``ok`` holds on every rank (every rank then takes the same branch)."""
+        if self.group is None:
+            return ok
+        import torch.distributed as dist
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def slowest(self, timing: Timing) -> Timing:
+        """The measurement of the rank with the largest median (what the layer waits for)."""
+        if self.group is None:
+            return timing
+        import torch.distributed as dist
+        values = torch.tensor([timing.median_us, timing.p20_us, timing.p80_us],
+                              dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(values) for _ in range(self.world_size)]
+        dist.all_gather(gathered, values, group=self.group)
+        worst = max(gathered, key=lambda v: float(v[0])).tolist()
+        return Timing(worst[0], worst[1], worst[2], timing.method + "_slowest_rank")
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
+
+
+def _is_backend_unavailable(error: BaseException) -> bool:
+    # a2a.backends.BackendUnavailable, matched by name: a2a may not import here at all.
+    return type(error).__name__ == "BackendUnavailable" or isinstance(error, Unavailable)
+
+
+def _brief(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+class Progress:
+    """A plain-text progress line on stderr (no tqdm)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total} {label[:70]:<70}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def shape_label(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def run_stages(stages: list[Stage], sweep: Sweep, ctx: RunContext, *,
+               backends: Optional[set[str]] = None, progress: bool = True) -> list[dict]:
+    """Run every shape of every stage; returns the records (on every rank)."""
+    plan = [(stage, shape) for stage in stages for shape in stage.shapes(sweep)]
+    bar = Progress(len(plan), enabled=progress and ctx.rank == 0)
+    records: list[dict] = []
+    for stage, shape in plan:
+        bar.step(f"{stage.name} {shape_label(shape)}")
+        records += run_shape(stage, shape, ctx, backends=backends)
+    bar.close()
+    return records
+
+
+def run_shape(stage: Stage, shape: dict, ctx: RunContext, *,
+              backends: Optional[set[str]] = None) -> list[dict]:
+    """Check and time every path of ``stage`` on one ``shape``."""
+    try:
+        inputs = stage.build(shape, ctx.device, ctx)
+        paths = stage.paths(inputs, shape, ctx)
+    except Unavailable as why:
+        _close_shape_resources(ctx)
+        return [make_record(stage, shape, ctx, "*", ok=None, note=str(why))]
+    if backends is not None:
+        paths = [p for p in paths if p.backend in backends or p.backend == stage.oracle]
+    ref, ref_note = _oracle_output(stage, paths, ctx)
+    records = []
+    try:
+        for path in paths:
+            if backends is not None and path.backend not in backends:
+                continue  # the oracle ran only to check the others
+            records.append(_run_path(stage, shape, ctx, inputs, path, ref, ref_note))
+    finally:
+        _close_shape_resources(ctx)
+    return records
+
+
+def _close_shape_resources(ctx: RunContext) -> None:
+    """Close what the paths of one shape opened (e.g. transport workspaces; collective)."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    for close in ctx.shared.pop("closers", []):
+        close()
+
+
+def _oracle_output(stage: Stage, paths: list[Path], ctx: RunContext) -> tuple[Any, str]:
+    """The oracle's (normalized) output, or (None, why it is missing). Stages whose check
+    computes the expected result itself have ``oracle=None``."""
+    if stage.oracle is None:
+        return None, ""
+    oracle = next((p for p in paths if p.backend == stage.oracle), None)
+    if oracle is None or oracle.run is None:
+        return None, (oracle.reason if oracle else f"no {stage.oracle} path")
+    try:
+        out = oracle.run()
+        return (oracle.normalize(out) if oracle.normalize else out), ""
+    except Exception as error:  # the oracle itself failed: nothing can be checked
+        return None, f"oracle failed: {_brief(error)}"
+
+
+def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Path,
+              ref: Any, ref_note: str) -> dict:
+    record = lambda **kw: make_record(stage, shape, ctx, path.backend, inputs=inputs, **kw)  # noqa
+    if path.run is None:
+        ctx.agree(False)  # keep the ranks' collective sequence identical
+        return record(ok=None, note=path.reason)
+    if ref_note:
+        ctx.agree(False)
+        return record(ok=None, note=f"not checked, so not timed: {ref_note}")
+    ok, note = True, ""
+    try:
+        if path.before is not None:
+            path.before()
+        out = path.run()
+        if path.after is not None:
+            path.after()
+        if stage.oracle is not None and path.backend == stage.oracle:
+            note = "oracle"
+        else:
+            stage.check(path.normalize(out) if path.normalize else out, ref, inputs, shape)
+    except AssertionError as error:
+        ok, note = False, f"mismatch: {_brief(error)}"
+    except Exception as error:
+        if _is_backend_unavailable(error):
+            ok, note = None, f"not available: {error}"
+        else:
+            ok, note = False, f"error: {_brief(error)}"
+    if not ctx.agree(ok is True):
+        if ok is True:
+            ok, note = False, "another rank failed this path"
+        return record(ok=ok, note=note)
+    try:
+        timing = _time(stage, path, ctx)
+    except Exception as error:
+        return record(ok=False, note=f"timing failed: {_brief(error)}")
+    return record(ok=True, note=note, timing=timing)
+
+
+def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
+    if ctx.interpreter:
+        return time_cpu(path.run)
+    with torch.cuda.device(ctx.device):
+        if stage.distributed:
+            return ctx.slowest(time_fixed(path.run, before=path.before, after=path.after,
+                                          barrier=ctx.barrier))
+        return time_gpu(path.run, graph=stage.graph)
+
+
+def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,
+                ok: Optional[bool], note: str = "", timing: Optional[Timing] = None,
+                inputs: Optional[dict] = None) -> dict:
+    """One row of the results (see the module docstring)."""
+    traffic = stage.traffic(shape, inputs)
+    local, remote = traffic.get("local", 0), traffic.get("remote", 0)
+    record = {
+        "stage": stage.name, "backend": backend, "gpu": ctx.gpu, "num_gpus": ctx.world_size,
+        "shape": dict(shape), "dtype": stage.dtype(shape),
+        "time_us": None, "p20_us": None, "p80_us": None,
+        "bytes": local + remote, "local_bytes": local, "remote_bytes": remote,
+        "gbps": None, "pct_of_limit": None, "ok": ok, "note": note, "timing": None,
+    }
+    if timing is not None:
+        record.update(time_us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
+                      timing=timing.method,
+                      gbps=(local + remote) / (timing.median_us * 1e3) if timing.median_us > 0
+                      else None,
+                      pct_of_limit=percent_of_limit(local, remote, timing.median_us, ctx.limits))
+    return record
+
+
+def percent_of_limit(local: int, remote: int, time_us: float, limits: dict) -> Optional[float]:
+    """100 * (ideal time) / (measured time), the ideal time moving ``local`` bytes at the HBM
+    copy bandwidth and ``remote`` bytes at the NVLink peer-store bandwidth. None when a needed
+    limit was not measured (CPU; remote bytes on one GPU)."""
+    hbm, nvlink = limits.get("hbm_gbps"), limits.get("nvlink_gbps")
+    if time_us <= 0 or (local and not hbm) or (remote and not nvlink):
+        return None
+    ideal_us = (local / (hbm * 1e3) if local else 0.0) + (remote / (nvlink * 1e3) if remote
+                                                          else 0.0)
+    return 100.0 * ideal_us / time_us
+
+
+def add_speedups(records: list[dict]) -> None:
+    """Add ``speedup_vs_flashinfer`` (best of the FlashInfer rows) and ``speedup_vs_torch``
+    (the torch row) to every timed record: other time / this time, >1 means faster."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["stage"], repr(sorted(r["shape"].items()))), []).append(r)
+    for group in groups.values():
+        timed = {r["backend"]: r["time_us"] for r in group if r["time_us"]}
+        flashinfer = [t for b, t in timed.items() if b.startswith("flashinfer")]
+        for r in group:
+            t = r["time_us"]
+            r["speedup_vs_flashinfer"] = min(flashinfer) / t if t and flashinfer else None
+            r["speedup_vs_torch"] = timed["torch"] / t if t and "torch" in timed else None

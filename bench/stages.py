@@ -1,0 +1,528 @@
+"""The single-device stages as small specs: shapes, inputs, paths, check, bytes moved.
+
+A :class:`Stage` says which shape keys it sweeps, how to build its inputs, which paths
+(backends) can run them, how to compare a path's output with the oracle's (the ``torch`` path,
+``kernels/reference.py``), and how many bytes an ideal kernel moves (the ``traffic`` formula,
+written out per stage below). The loop that runs them all is ``bench/runner.py``; the stages that
+need several ranks are in ``bench/transport.py``.
+
+A path whose module is not written yet, or whose backend cannot run here, is listed with the
+reason instead of a function (:class:`Path` with ``run=None``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+# Float outputs are compared with this table (the tests' table, tests/support.py); index outputs
+# and quantized codes / scales exactly.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+}
+# Routing weights of FlashInfer's fused kernels are computed in another order (fast exp, other
+# summation order): compared a little looser than fp32 round-off.
+ROUTING_WEIGHT_TOL = dict(atol=1e-4, rtol=1e-4)
+
+# DeepSeek-V3 routing: 8 expert groups, keep the best 4, scale the weights by 2.5.
+DEEPSEEK_GROUPS, DEEPSEEK_TOPK_GROUPS, DEEPSEEK_SCALING = 8, 4, 2.5
+# Ranks of the single-device prepare (the local send plan of one rank of an EP8 deployment).
+PREPARE_EP_SIZE = 8
+# Popularity exponent of skewed routing: expert e is drawn with weight 1/(e+1)^SKEW_EXPONENT
+# (Zipf-like: with E=256 the top 8 experts take ~half of the pairs).
+SKEW_EXPONENT = 1.2
+SEED = 0
+
+
+class Unavailable(Exception):
+    """A path cannot run here: its module is not written yet or its backend refuses."""
+
+
+@dataclass(frozen=True)
+class Path:
+    """One way to compute a stage.
+
+    run:       the timed call, or None when the path cannot run (``reason`` says why).
+    normalize: untimed, turns ``run``'s output into what ``Stage.check`` compares (default: as is).
+    before:    untimed, run before each call (e.g. the dispatch a one-sided combine needs).
+    after:     untimed, run after each call (e.g. the combine that must follow that dispatch).
+    """
+
+    backend: str
+    run: Optional[Callable[[], Any]] = None
+    reason: str = ""
+    normalize: Optional[Callable[[Any], Any]] = None
+    before: Optional[Callable[[], Any]] = None
+    after: Optional[Callable[[], Any]] = None
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The shape grid; each stage takes the product over the keys it uses."""
+
+    tokens: tuple[int, ...]
+    hidden: tuple[int, ...]
+    experts: tuple[int, ...]
+    top_k: tuple[int, ...]
+    routing: tuple[str, ...]
+    extra_shapes: bool = False  # add the shapes that have targets (bench/targets.py)
+
+    def values(self, key: str) -> tuple:
+        return {"tokens": self.tokens, "hidden": self.hidden, "experts": self.experts,
+                "top_k": self.top_k, "routing": self.routing}[key]
+
+
+# DeepSeek-like sweep of the issue.
+DEFAULT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(4096, 7168),
+                      experts=(64, 256), top_k=(4, 8), routing=("uniform", "skewed"),
+                      extra_shapes=True)
+QUICK_SWEEP = Sweep(tokens=(16, 512, 8192), hidden=(7168,), experts=(256,), top_k=(8,),
+                    routing=("uniform",))
+# Without a GPU every Triton kernel runs in the interpreter: tiny shapes only.
+CPU_SWEEP = Sweep(tokens=(1, 7, 33), hidden=(256,), experts=(16,), top_k=(4,),
+                  routing=("uniform", "skewed"))
+CPU_QUICK_SWEEP = Sweep(tokens=(7,), hidden=(128,), experts=(16,), top_k=(4,),
+                        routing=("uniform",))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage of the MoE layer as the bench sees it.
+
+    keys:      shape keys swept from :class:`Sweep` (the product, deduplicated).
+    variants:  extra per-stage shape entries, each a dict merged into every grid point
+               (e.g. the quantize formats); ``valid`` filters impossible combinations;
+               ``unused(shape)`` names grid keys a variant ignores (dropped, then deduplicated).
+    extra:     shapes added when the sweep asks for the target shapes (bench/targets.py).
+    build:     ``(shape, device, ctx) -> inputs`` (a dict), deterministic from SEED.
+    paths:     ``(inputs, shape, ctx) -> list[Path]``; must include the ``torch`` oracle.
+    check:     ``(out, ref, inputs, shape) -> None``, raises AssertionError on a mismatch.
+    traffic:   ``(shape, inputs) -> {"local": bytes}`` (and ``"remote"`` for transports): the
+               bytes an ideal implementation moves; the formulas are written next to each stage
+               (``inputs`` is None when they could not be built).
+    dtype:     ``shape -> str``, the payload dtype named in the record.
+    graph:     launch-bound: time by CUDA-graph replay.
+    distributed: needs one process per GPU (bench/transport.py).
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    build: Callable[..., dict]
+    paths: Callable[[dict, dict, Any], list[Path]]
+    check: Callable[[Any, Any, dict, dict], None]
+    traffic: Callable[..., dict]
+    dtype: Callable[[dict], str]
+    variants: tuple[dict, ...] = ({},)
+    valid: Callable[[dict], bool] = lambda shape: True
+    unused: Callable[[dict], tuple] = lambda shape: ()
+    extra: Callable[[], Iterable[dict]] = lambda: ()
+    graph: bool = False
+    distributed: bool = False
+    oracle: Optional[str] = "torch"
+
+    def shapes(self, sweep: Sweep) -> list[dict]:
+        grid = itertools.product(*(sweep.values(k) for k in self.keys))
+        shapes = [{**variant, **dict(zip(self.keys, point))}
+                  for point in grid for variant in self.variants]
+        shapes = [{k: v for k, v in shape.items() if k not in self.unused(shape)}
+                  for shape in shapes]
+        if sweep.extra_shapes:
+            shapes += [dict(s) for s in self.extra()]
+        unique: list[dict] = []
+        for shape in shapes:
+            if self.valid(shape) and shape not in unique:
+                unique.append(shape)
+        return unique
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the stages
+# ---------------------------------------------------------------------------------------------
+
+def load(module: str, name: str) -> Callable:
+    """``module.name``, or :class:`Unavailable` saying which part is not written yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as error:
+        raise Unavailable(f"not available: {module} cannot be imported ({error})") from None
+    if not hasattr(mod, name):
+        raise Unavailable(f"not available: {module}.{name} is not written yet")
+    return getattr(mod, name)
+
+
+def make_path(backend: str, factory: Callable[[], Callable[[], Any]], **kwargs) -> Path:
+    """A :class:`Path` from ``factory() -> run``; an :class:`Unavailable` (or the stage
+    switch's BackendUnavailable) raised while building it becomes the reason."""
+    try:
+        return Path(backend, run=factory(), **kwargs)
+    except Unavailable as why:
+        return Path(backend, reason=str(why))
+
+
+def stage_backend(stage: str, backend: str, device: torch.device, **context) -> None:
+    """Raise :class:`Unavailable` when the stage switch says ``backend`` cannot run ``stage``."""
+    why = load("a2a.backends", "why_unavailable")(stage, backend, device, **context)
+    if why is not None:
+        raise Unavailable(f"not available: {why}")
+
+
+def generator(device: torch.device, salt: int = 0) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(SEED + salt)
+    return gen
+
+
+def make_topk(tokens: int, experts: int, top_k: int, routing: str, device: torch.device,
+              salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct expert ids per token and their weights (rows sum to 1).
+
+    uniform: every expert equally likely; skewed: expert e drawn with weight 1/(e+1)^1.2
+    (Gumbel top-k: k distinct draws without replacement). Returns ids [T, k] int32 and
+    weights [T, k] float32.
+    """
+    gen = generator(device, salt)
+    noise = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen, device=device)
+                                  .clamp_(1e-9, 1 - 1e-7)))
+    if routing == "skewed":
+        popularity = torch.arange(1, experts + 1, device=device, dtype=torch.float32)
+        noise = noise - SKEW_EXPONENT * torch.log(popularity)
+    elif routing != "uniform":
+        raise ValueError(f"routing={routing!r} must be 'uniform' or 'skewed'")
+    ids = noise.topk(top_k, dim=1).indices.to(torch.int32)
+    weights = torch.rand(tokens, top_k, generator=gen, device=device).softmax(dim=1)
+    return ids.contiguous(), weights.contiguous()
+
+
+def assert_same(out: Any, ref: Any, *, what: str = "output", tol: Optional[dict] = None) -> None:
+    """Compare nested tuples / dataclasses / tensors: integer and byte tensors exactly, floats
+    with :data:`TOLERANCES` (or ``tol``). Raises AssertionError naming the differing part."""
+    if hasattr(ref, "tensors") and callable(ref.tensors):
+        ref_fields, out_fields = ref.tensors(), out.tensors()
+        for name, value in ref_fields.items():
+            assert_same(out_fields.get(name), value, what=f"{what}.{name}", tol=tol)
+        return
+    if isinstance(ref, (tuple, list)):
+        assert isinstance(out, (tuple, list)) and len(out) == len(ref), \
+            f"{what}: expected {len(ref)} parts, got {type(out).__name__}"
+        for i, (o, r) in enumerate(zip(out, ref)):
+            assert_same(o, r, what=f"{what}[{i}]", tol=tol)
+        return
+    if not isinstance(ref, torch.Tensor):
+        assert out == ref, f"{what}: {out!r} != {ref!r}"
+        return
+    assert isinstance(out, torch.Tensor), f"{what}: expected a tensor, got {type(out).__name__}"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} != {ref.dtype}"
+    if ref.dtype in TOLERANCES:
+        try:
+            torch.testing.assert_close(out, ref, **(tol or TOLERANCES[ref.dtype]))
+        except AssertionError as error:
+            raise AssertionError(f"{what}: {str(error).splitlines()[0]}") from None
+        return
+    if ref.dtype.is_floating_point:  # fp8 and other byte formats: bit-exact
+        out, ref = out.view(torch.uint8), ref.view(torch.uint8)
+    mismatched = int((out != ref).sum())
+    assert mismatched == 0, f"{what}: {mismatched} of {ref.numel()} entries differ"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "int32"}.get(
+        dtype, str(dtype).replace("torch.", ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: logits [T, E] fp32 -> ids [T, k] int32, weights [T, k] fp32
+# ---------------------------------------------------------------------------------------------
+
+def _routing_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    gen = generator(device, 1)
+    tokens, experts = shape["tokens"], shape["experts"]
+    logits = torch.randn(tokens, experts, generator=gen, device=device, dtype=torch.float32)
+    if shape["routing"] == "skewed":
+        popularity = torch.arange(1, experts + 1, device=device, dtype=torch.float32)
+        logits -= SKEW_EXPONENT * torch.log(popularity)
+    bias = 0.1 * torch.randn(experts, generator=gen, device=device, dtype=torch.float32)
+    if shape["method"] == "deepseek_v3":
+        options = dict(bias=bias, num_groups=DEEPSEEK_GROUPS, topk_groups=DEEPSEEK_TOPK_GROUPS,
+                       routed_scaling=DEEPSEEK_SCALING)
+    else:
+        options = {}
+    return dict(logits=logits, options=options)
+
+
+def _routing_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    logits, k, method, options = inputs["logits"], shape["top_k"], shape["method"], \
+        inputs["options"]
+
+    def public(backend):
+        def factory():
+            route = load("a2a.routing", "route_topk")
+            stage_backend("routing", backend, logits.device, method=method)
+            return lambda: route(logits, k, method, backend=backend, **options)
+        return factory
+
+    def oracle():
+        route = load("kernels.reference", "route_topk")
+        return lambda: route(logits, k, method, **options)
+
+    return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
+            make_path("torch", oracle)]
+
+
+def _routing_check(out, ref, inputs, shape) -> None:
+    """Same set of ids per token (order inside a row may differ: FlashInfer sorts by weight,
+    ties aside), same weight for each id."""
+    (ids, weights), (ref_ids, ref_weights) = out, ref
+    order, ref_order = ids.long().argsort(dim=1), ref_ids.long().argsort(dim=1)
+    assert_same(ids.gather(1, order), ref_ids.gather(1, ref_order), what="ids")
+    assert_same(weights.gather(1, order), ref_weights.gather(1, ref_order), what="weights",
+                tol=ROUTING_WEIGHT_TOL)
+
+
+def _routing_traffic(shape: dict, inputs=None) -> dict:
+    # Read the logits T*E*4 (+ the bias E*4 for deepseek_v3), write ids and weights T*k*(4+4).
+    t, e, k = shape["tokens"], shape["experts"], shape["top_k"]
+    bias = 4 * e if shape["method"] == "deepseek_v3" else 0
+    return {"local": 4 * t * e + bias + 8 * t * k}
+
+
+def _routing_valid(shape: dict) -> bool:
+    if shape["method"] != "deepseek_v3":
+        return True
+    e = shape["experts"]
+    return (e % DEEPSEEK_GROUPS == 0
+            and DEEPSEEK_TOPK_GROUPS * (e // DEEPSEEK_GROUPS) >= shape["top_k"])
+
+
+ROUTING = Stage(
+    name="routing", keys=("tokens", "experts", "top_k", "routing"),
+    variants=({"method": "softmax_topk"}, {"method": "deepseek_v3"}),
+    valid=_routing_valid,
+    extra=lambda: [dict(method="deepseek_v3", tokens=8192, experts=256, top_k=8,
+                        routing="uniform"),
+                   dict(method="softmax_topk", tokens=8192, experts=128, top_k=4,
+                        routing="uniform")],
+    build=_routing_build, paths=_routing_paths, check=_routing_check,
+    traffic=_routing_traffic, dtype=lambda shape: "fp32", graph=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepare (one rank's local send plan, EP8): ids [T, k] -> LocalSendPlan
+# ---------------------------------------------------------------------------------------------
+
+def _prepare_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    ids, _ = make_topk(shape["tokens"], shape["experts"], shape["top_k"], shape["routing"],
+                       device)
+    return dict(topk_ids=ids)
+
+
+def _prepare_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    ids, experts, ep = inputs["topk_ids"], shape["experts"], shape["ep_size"]
+
+    def face(module, backend=None):
+        def factory():
+            plan = load(module, "local_send_plan")
+            if backend:
+                stage_backend("prepare", backend, ids.device)
+            return lambda: plan(ids, experts, ep, max_tokens_per_rank=shape["tokens"])
+        return factory
+
+    return [make_path("triton", face("kernels.prepare", "triton")),
+            make_path("torch", face("kernels.reference"))]
+
+
+def _prepare_traffic(shape: dict, inputs=None) -> dict:
+    # Read ids T*k*4; write send_counts and their cumsum 2*R*4, the two index lists 2*N*R*4
+    # (N = T here) and the per-expert counts E*4.
+    t, e, k, r = shape["tokens"], shape["experts"], shape["top_k"], shape["ep_size"]
+    return {"local": 4 * t * k + 8 * r + 8 * t * r + 4 * e}
+
+
+PREPARE = Stage(
+    name="prepare", keys=("tokens", "experts", "top_k", "routing"),
+    variants=({"scope": "local", "ep_size": PREPARE_EP_SIZE},),
+    valid=lambda shape: shape["experts"] % shape["ep_size"] == 0,
+    extra=lambda: [dict(scope="local", ep_size=PREPARE_EP_SIZE, tokens=t, experts=256, top_k=8,
+                        routing="uniform") for t in (16, 512, 8192)],
+    build=_prepare_build, paths=_prepare_paths,
+    check=lambda out, ref, inputs, shape: assert_same(out, ref, what="plan"),
+    traffic=_prepare_traffic, dtype=lambda shape: "int32", graph=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantize: x [M, H] bf16 -> NVFP4 (linear or 128x4 scales), MXFP8, or the NVFP4 global scale
+# ---------------------------------------------------------------------------------------------
+
+def _quantize_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    gen = generator(device, 2)
+    x = torch.randn(shape["tokens"], shape["hidden"], generator=gen, device=device,
+                    dtype=torch.float32).to(torch.bfloat16)
+    return dict(x=x)
+
+
+def _quantize_call(fn: Callable, shape: dict, x: torch.Tensor,
+                   global_scale: Optional[torch.Tensor], **backend) -> Callable[[], Any]:
+    """The call of one quantize op, the same for every face."""
+    op = shape["op"]
+    if op in ("global_scale", "mxfp8"):
+        return lambda: fn(x, **backend)
+    layout = "swizzled_128x4" if op == "nvfp4_swizzled" else "linear"
+    return lambda: fn(x, global_scale, layout=layout, **backend)
+
+
+QUANT_FUNCTIONS = {"nvfp4_linear": "quantize_nvfp4", "nvfp4_swizzled": "quantize_nvfp4",
+                   "mxfp8": "quantize_mxfp8", "global_scale": "nvfp4_global_scale"}
+
+
+def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    x, name = inputs["x"], QUANT_FUNCTIONS[shape["op"]]
+    holder: dict = {}
+
+    def global_scale():
+        # The oracle's global scale, computed once, shared by every path (untimed).
+        if "gs" not in holder:
+            holder["gs"] = load("kernels.reference", "nvfp4_global_scale")(x)
+        return holder["gs"]
+
+    def public(backend):
+        def factory():
+            fn = load("a2a.quantize", name)
+            stage_backend("quantize", backend, x.device)
+            return _quantize_call(fn, shape, x, _lazy(global_scale, shape), backend=backend)
+        return factory
+
+    def oracle():
+        return _quantize_call(load("kernels.reference", name), shape, x,
+                              _lazy(global_scale, shape))
+
+    def compiled():
+        if x.device.type != "cuda":
+            raise Unavailable("not available: torch.compile is timed on GPU only (the CPU run "
+                              "checks the interpreter, its timings mean nothing)")
+        return _quantize_call(torch.compile(load("kernels.reference", name), dynamic=False),
+                              shape, x, _lazy(global_scale, shape))
+
+    return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
+            make_path("torch", oracle), make_path("torch_compile", compiled)]
+
+
+def _lazy(global_scale: Callable[[], torch.Tensor], shape: dict):
+    """The global scale tensor for NVFP4 ops (None for the others, which take none)."""
+    return global_scale() if shape["op"].startswith("nvfp4") else None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _quantize_traffic(shape: dict, inputs=None) -> dict:
+    m, h = shape["tokens"], shape["hidden"]
+    op = shape["op"]
+    if op == "nvfp4_linear":
+        # read bf16 2*M*H; write codes M*H/2 and e4m3 scales M*H/16: 2.5625*M*H.
+        return {"local": 2 * m * h + m * h // 2 + m * h // 16}
+    if op == "nvfp4_swizzled":
+        # as linear, but the scales are padded to 128 rows x 4 columns.
+        return {"local": 2 * m * h + m * h // 2 + _round_up(m, 128) * _round_up(h // 16, 4)}
+    if op == "mxfp8":
+        # read bf16 2*M*H; write e4m3 codes M*H and e8m0 scales M*H/32: 3.03125*M*H.
+        return {"local": 2 * m * h + m * h + m * h // 32}
+    # global_scale: read bf16 2*M*H (the 4-byte result is negligible).
+    return {"local": 2 * m * h}
+
+
+QUANTIZE = Stage(
+    name="quantize", keys=("tokens", "hidden"),
+    variants=tuple({"op": op} for op in QUANT_FUNCTIONS),
+    extra=lambda: [dict(op="nvfp4_linear", tokens=8192, hidden=7168),
+                   dict(op="nvfp4_linear", tokens=128, hidden=7168),
+                   dict(op="mxfp8", tokens=8192, hidden=7168),
+                   dict(op="global_scale", tokens=8192, hidden=7168)],
+    build=_quantize_build, paths=_quantize_paths,
+    check=lambda out, ref, inputs, shape: assert_same(out, ref, what=shape["op"]),
+    traffic=_quantize_traffic, dtype=lambda shape: "bf16", graph=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Permute: expert-major order, row gather, weighted un-permute (all experts local, align 1)
+# ---------------------------------------------------------------------------------------------
+
+def _permute_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    ids, weights = make_topk(shape["tokens"], shape["experts"], shape["top_k"],
+                             shape["routing"], device)
+    inputs = dict(topk_ids=ids, topk_weights=weights)
+    if shape["op"] == "permute_by_expert":
+        return inputs
+    # The other two ops run on the oracle's permutation (the same input for every path).
+    permutation = load("kernels.reference", "permute_by_expert")(ids, shape["experts"])
+    gen = generator(device, 3)
+    t, h, k = shape["tokens"], shape["hidden"], shape["top_k"]
+    if shape["op"] == "gather_rows":
+        inputs["x"] = torch.randn(t, h, generator=gen, device=device).to(torch.bfloat16)
+        # Row of x each permuted row copies: its token (pair index // k); UNUSED stays UNUSED.
+        source = permutation.source_rows
+        inputs["rows"] = torch.where(source >= 0, source // k, source).to(torch.int32)
+    else:
+        inputs["expert_out"] = torch.randn(permutation.source_rows.numel(), h, generator=gen,
+                                           device=device).to(torch.bfloat16)
+    inputs["permutation"] = permutation
+    return inputs
+
+
+def _permute_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    op, device = shape["op"], inputs["topk_ids"].device
+
+    def call(fn, **backend):
+        if op == "permute_by_expert":
+            return lambda: fn(inputs["topk_ids"], shape["experts"], **backend)
+        if op == "gather_rows":
+            return lambda: fn(inputs["x"], inputs["rows"], **backend)
+        return lambda: fn(inputs["expert_out"], inputs["permutation"], inputs["topk_weights"],
+                          **backend)
+
+    def public(backend):
+        def factory():
+            fn = load("a2a.permute", op)
+            stage_backend("permute", backend, device)
+            return call(fn, backend=backend)
+        return factory
+
+    return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
+            make_path("torch", lambda: call(load("kernels.reference", op)))]
+
+
+def _permute_traffic(shape: dict, inputs=None) -> dict:
+    t, e, k = shape["tokens"], shape["experts"], shape["top_k"]
+    pairs = t * k  # P = T*k permuted rows (all experts local, align 1)
+    if shape["op"] == "permute_by_expert":
+        # read ids P*4; write source_rows P*4, inverse P*4, counts E*4, offsets (E+1)*4.
+        return {"local": 12 * pairs + 8 * e + 4}
+    h = shape["hidden"]
+    if shape["op"] == "gather_rows":
+        # read the row index P*4 and P rows of bf16; write P rows: 4*P*H + 4*P.
+        return {"local": 4 * pairs * h + 4 * pairs}
+    # unpermute_and_reduce: read P rows of bf16, inverse and weights T*k*(4+4); write T rows.
+    return {"local": 2 * pairs * h + 8 * pairs + 2 * t * h}
+
+
+PERMUTE = Stage(
+    name="permute", keys=("tokens", "hidden", "experts", "top_k", "routing"),
+    variants=tuple({"op": op} for op in ("permute_by_expert", "gather_rows",
+                                          "unpermute_and_reduce")),
+    extra=lambda: [dict(op=op, tokens=8192, hidden=7168, experts=256, top_k=8,
+                        routing="uniform") for op in ("gather_rows", "unpermute_and_reduce")],
+    build=_permute_build, paths=_permute_paths,
+    check=lambda out, ref, inputs, shape: assert_same(out, ref, what=shape["op"]),
+    traffic=_permute_traffic,
+    unused=lambda shape: ("hidden",) if shape["op"] == "permute_by_expert" else (),
+    dtype=lambda shape: "int32" if shape["op"] == "permute_by_expert" else "bf16",
+    graph=True)
+
+
+SINGLE_DEVICE_STAGES = (ROUTING, PREPARE, QUANTIZE, PERMUTE)

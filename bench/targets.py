@@ -1,0 +1,78 @@
+"""Performance targets stated in the issues, checked with ``--targets``.
+
+Each target names a stage, the shape entries it applies to and a bound on the ``triton`` row.
+The shapes are added to the sweep as explicit extra shapes (``Stage.extra`` in bench/stages.py),
+so a full run always has a row to judge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Target:
+    """``kind``: ``max_us`` (time <= value), ``min_gbps`` (GB/s >= value) or
+    ``max_ratio_vs_flashinfer`` (time <= value * FlashInfer's time on the same shape)."""
+
+    stage: str
+    match: dict
+    kind: str
+    value: float
+    text: str
+    backend: str = "triton"
+
+    def applies(self, record: dict) -> bool:
+        return (record["stage"] == self.stage and record["backend"] == self.backend
+                and all(record["shape"].get(k) == v for k, v in self.match.items()))
+
+    def judge(self, record: dict, records: list[dict]) -> Optional[bool]:
+        """True / False, or None when the row (or its FlashInfer twin) was not timed."""
+        if record["time_us"] is None:
+            return None
+        if self.kind == "max_us":
+            return record["time_us"] <= self.value
+        if self.kind == "min_gbps":
+            return record["gbps"] >= self.value
+        twins = [r["time_us"] for r in records
+                 if r["stage"] == record["stage"] and r["shape"] == record["shape"]
+                 and r["backend"] == "flashinfer" and r["time_us"]]
+        return record["time_us"] <= self.value * twins[0] if twins else None
+
+
+_BIG = dict(tokens=8192, hidden=7168)
+TARGETS = (
+    Target("quantize", dict(op="nvfp4_linear", **_BIG), "max_us", 40.0,
+           "NVFP4 [8192,7168] <= 40 us"),
+    Target("quantize", dict(op="nvfp4_linear", tokens=128, hidden=7168), "max_us", 6.0,
+           "NVFP4 [128,7168] <= 6 us"),
+    Target("quantize", dict(op="mxfp8", **_BIG), "min_gbps", 3600.0,
+           "MXFP8 [8192,7168] >= 3.6 TB/s"),
+    Target("quantize", dict(op="global_scale", **_BIG), "max_us", 35.0,
+           "global scale [8192,7168] <= 35 us"),
+    Target("routing", dict(method="deepseek_v3", tokens=8192, experts=256, top_k=8,
+                           routing="uniform"),
+           "max_ratio_vs_flashinfer", 0.8, "DeepSeek-V3 routing T=8192 E=256 k=8 <= 0.8x FlashInfer"),
+    Target("routing", dict(method="softmax_topk", tokens=8192, experts=128, top_k=4,
+                           routing="uniform"),
+           "max_us", 15.0, "softmax_topk T=8192 E=128 k=4 <= 15 us"),
+    Target("permute", dict(op="gather_rows", tokens=8192, hidden=7168, top_k=8,
+                           routing="uniform"),
+           "min_gbps", 2800.0, "gather_rows [65536,7168] bf16 >= 2.8 TB/s"),
+    Target("permute", dict(op="unpermute_and_reduce", tokens=8192, hidden=7168, top_k=8,
+                           routing="uniform"),
+           "min_gbps", 2800.0, "unpermute_and_reduce [65536,7168] bf16 >= 2.8 TB/s"),
+) + tuple(
+    Target("prepare", dict(tokens=t, experts=256, top_k=8, routing="uniform"), "max_us", 25.0,
+           f"Triton prepare E=256 k=8 T={t} <= 25 us") for t in (16, 512, 8192))
+
+
+def judge_targets(records: list[dict]) -> None:
+    """Set ``target`` (the stated text) and ``target_pass`` (True/False/None) on every record a
+    target applies to."""
+    for record in records:
+        for target in TARGETS:
+            if target.applies(record):
+                record["target"] = target.text
+                record["target_pass"] = target.judge(record, records)

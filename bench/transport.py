@@ -1,0 +1,452 @@
+"""The stages that need one process per GPU: prepare across ranks, dispatch, combine, and the
+whole layer (route, prepare, dispatch, identity experts through the permutation, combine).
+
+Every rank builds every rank's inputs from the same seeds, so that each can compute the oracle
+(``kernels.reference.simulate_alltoall / simulate_dispatch / simulate_combine``) for itself and
+check its own output. Our paths go through ``a2a.MoEAlltoall`` (one instance per shape and
+backend choice, closed after the shape); the reference row ``flashinfer_one_sided`` is
+FlashInfer's ``MoeAlltoAll`` (flashinfer.comm.trtllm_moe_alltoall), whose receive order comes
+from atomics: its rows are sorted back by a token tag sent along before the comparison.
+
+Bytes (per rank, averaged over the ranks; ``row`` = bytes of one payload row):
+- dispatch: remote = rows sent to other ranks * row (stored into the peers);
+  local = rows kept on this rank * row * 2 (read + write). Reading the remote rows from HBM runs
+  under the slower NVLink stores and is not counted.
+- combine: the same rows travel back: remote = rows returned to other ranks * 2H; local = rows
+  returned to this rank * 2H * 2 + the output T * 2H.
+- prepare: remote = rows sent to other ranks * k * 8 (ids and weights); local = T*k*8 read +
+  N*R*k*8 written (received ids and weights).
+- layer: dispatch + combine bytes (routing, prepare and the expert permutation not counted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from bench.stages import (Path, Stage, Unavailable, assert_same, generator, load, make_path,
+                          make_topk)
+
+# DeepSeek-V3 routing in the layer (runs on FlashInfer on SM90 too).
+LAYER_ROUTING = dict(method="deepseek_v3", num_groups=8, topk_groups=4, routed_scaling=2.5)
+ONE_SIDED = "flashinfer_one_sided"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the oracle
+# ---------------------------------------------------------------------------------------------
+
+def _all_inputs(shape: dict, device: torch.device, ctx) -> dict:
+    """Every rank's routing and rows (same seeds on every rank), the oracle's plans, and this
+    rank's share."""
+    ranks = ctx.world_size
+    tokens, hidden, experts, k = shape["tokens"], shape["hidden"], shape["experts"], \
+        shape["top_k"]
+    ids, weights, xs = [], [], []
+    for rank in range(ranks):
+        i, w = make_topk(tokens, experts, k, shape["routing"], device, salt=100 + rank)
+        ids.append(i)
+        weights.append(w)
+        xs.append(torch.randn(tokens, hidden, generator=generator(device, 200 + rank),
+                              device=device).to(torch.bfloat16))
+    plans = load("kernels.reference", "simulate_alltoall")(ids, weights, experts, tokens)
+    return dict(ids=ids, weights=weights, xs=xs, plans=plans, rank=ctx.rank, ranks=ranks)
+
+
+def _row_counts(inputs: dict) -> tuple[float, float]:
+    """(rows kept on their own rank, rows sent to another rank), averaged over the ranks."""
+    kept = sent = 0
+    for source, plan in enumerate(inputs["plans"]):
+        counts = torch.diff(plan.send_rank_count_cumsum.long(), prepend=plan.send_rank_count_cumsum
+                            .new_zeros(1).long())
+        kept += int(counts[source])
+        sent += int(counts.sum()) - int(counts[source])
+    return kept / len(inputs["plans"]), sent / len(inputs["plans"])
+
+
+def _payload_row_bytes(shape: dict) -> int:
+    h = shape["hidden"]
+    return h // 2 + h // 16 if shape.get("quant") == "nvfp4" else 2 * h
+
+
+def _dispatch_traffic(shape: dict, inputs: Optional[dict]) -> dict:
+    if inputs is None:
+        return {"local": 0, "remote": 0}
+    kept, sent = _row_counts(inputs)
+    row = _payload_row_bytes(shape)
+    return {"local": int(2 * kept * row), "remote": int(sent * row)}
+
+
+def _combine_traffic(shape: dict, inputs: Optional[dict]) -> dict:
+    if inputs is None:
+        return {"local": 0, "remote": 0}
+    kept, sent = _row_counts(inputs)
+    row = 2 * shape["hidden"]
+    return {"local": int(2 * kept * row + shape["tokens"] * row), "remote": int(sent * row)}
+
+
+def _prepare_traffic(shape: dict, inputs: Optional[dict]) -> dict:
+    if inputs is None:
+        return {"local": 0, "remote": 0}
+    _, sent = _row_counts(inputs)
+    t, k, r = shape["tokens"], shape["top_k"], inputs["ranks"]
+    return {"local": 8 * t * k + 8 * t * r * k, "remote": int(8 * k * sent)}
+
+
+def _layer_traffic(shape: dict, inputs: Optional[dict]) -> dict:
+    d, c = _dispatch_traffic(shape, inputs), _combine_traffic(shape, inputs)
+    return {"local": d["local"] + c["local"], "remote": d["remote"] + c["remote"]}
+
+
+def _segments(cumsum: torch.Tensor) -> list[tuple[int, int]]:
+    ends = cumsum.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+# ---------------------------------------------------------------------------------------------
+# Our transport (a2a.MoEAlltoall) and FlashInfer's one-sided MoeAlltoAll
+# ---------------------------------------------------------------------------------------------
+
+def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str):
+    """An ``a2a.MoEAlltoall`` for this shape (collective), closed after the shape."""
+    cls = load("a2a", "MoEAlltoall")
+    why = load("a2a.backends", "why_unavailable")
+    for stage, backend in (("prepare", prepare), ("transport", transport)):
+        reason = why(stage, backend, ctx.device)
+        if reason is not None:
+            raise Unavailable(f"not available: {reason}")
+    instance = cls(ctx.group, shape["experts"], shape["top_k"], shape["tokens"], shape["hidden"],
+                   backends={"prepare": prepare, "transport": transport})
+    ctx.shared.setdefault("closers", []).append(instance.close)
+    return instance
+
+
+def _one_sided(ctx, shape: dict):
+    """FlashInfer's one-sided ``MoeAlltoAll`` for this (E, k); every instance shares one
+    workspace sized for the largest shape of the sweep (FlashInfer caches workspaces by size
+    for the life of the process)."""
+    if not load("a2a.backends", "flashinfer_installed")():
+        raise Unavailable("not available: FlashInfer is not installed")
+    try:
+        from flashinfer.comm.comm_backend import TorchDistBackend
+        from flashinfer.comm.mapping import Mapping
+        from flashinfer.comm.mnnvl import MnnvlMemory
+        from flashinfer.comm.trtllm_moe_alltoall import MoeAlltoAll
+    except Exception as error:  # CUDA Python bindings missing, etc.
+        raise Unavailable(f"not available: FlashInfer's MoeAlltoAll does not import "
+                          f"({type(error).__name__}: {error})") from None
+    sweep = ctx.shared["sweep"]
+    max_tokens = max(sweep.tokens + ((8192,) if sweep.extra_shapes else ()))
+    max_k = max(sweep.top_k)
+    # Extra payloads: ids (k*4) and weights (k*4) are in FlashInfer's own formula; the token tag
+    # (4 int32) is extra.
+    size = MoeAlltoAll.get_moe_workspace_size_per_rank(
+        ctx.world_size, max_k, max_tokens, max(sweep.hidden), extra_payload_bytes_per_token=16)
+    mapping = Mapping(world_size=ctx.world_size, rank=ctx.rank, gpus_per_node=ctx.world_size,
+                      tp_size=ctx.world_size, moe_ep_size=ctx.world_size)
+    MnnvlMemory.initialize()
+    # Set the communicator directly (set_comm_from_config would split a new torch.distributed
+    # group on every call; see a2a/workspace.py).
+    MnnvlMemory.comm = TorchDistBackend(group=ctx.group)
+    return MoeAlltoAll(mapping, max_tokens, shape["top_k"], shape["experts"],
+                       workspace_size_per_rank=size)
+
+
+def _token_tags(inputs: dict) -> torch.Tensor:
+    """[T, 4] int32 rows (source rank, token, 0, 0): 16 bytes, sent along to sort by."""
+    x = inputs["xs"][inputs["rank"]]
+    tags = torch.zeros(x.shape[0], 4, dtype=torch.int32, device=x.device)
+    tags[:, 0] = inputs["rank"]
+    tags[:, 1] = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    return tags
+
+
+def _one_sided_sorted(recv_x: torch.Tensor, recv_tags: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """FlashInfer's receive buffers [R, T, H] back in the oracle's order: by source rank, then
+    ascending token (the counts come from the oracle plan; the tags must name that source)."""
+    plan = inputs["plans"][inputs["rank"]]
+    parts = []
+    for source, (start, end) in enumerate(_segments(plan.recv_rank_count_cumsum)):
+        tags = recv_tags[source, :end - start]
+        assert bool((tags[:, 0] == source).all()), f"rows from rank {source} carry other tags"
+        order = tags[:, 1].long().argsort()
+        parts.append(recv_x[source, :end - start][order])
+    return torch.cat(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+def _dispatch_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    inputs = _all_inputs(shape, device, ctx)
+    if shape["quant"] == "nvfp4":
+        scale = load("kernels.reference", "nvfp4_global_scale")
+        quantize = load("kernels.reference", "quantize_nvfp4")
+        # One global scale shared by all ranks (in practice, the max over the ranks).
+        gs = torch.stack([scale(x) for x in inputs["xs"]]).min(dim=0).values
+        rows = [quantize(x, gs, layout="linear") for x in inputs["xs"]]
+        inputs["global_scale"] = gs
+        codes = load("kernels.reference", "simulate_dispatch")([r[0] for r in rows],
+                                                              inputs["plans"])
+        scales = load("kernels.reference", "simulate_dispatch")([r[1] for r in rows],
+                                                               inputs["plans"])
+        inputs["expected"] = (codes[ctx.rank], scales[ctx.rank])
+    else:
+        inputs["expected"] = load("kernels.reference", "simulate_dispatch")(
+            inputs["xs"], inputs["plans"])[ctx.rank]
+    return inputs
+
+
+def _received(out: Any, inputs: dict) -> Any:
+    """The valid prefix (total_recv rows) of a dispatch result (a tensor or a tuple)."""
+    total = int(inputs["plans"][inputs["rank"]].total_recv)
+    if isinstance(out, (tuple, list)):
+        return tuple(part[:total] for part in out)
+    return out[:total]
+
+
+def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    rank = inputs["rank"]
+    x, plan = inputs["xs"][rank], inputs["plans"][rank]
+    quant = None if shape["quant"] == "bf16" else shape["quant"]
+
+    def ours(transport):
+        def factory():
+            a2a = _moe_alltoall(ctx, shape, "torch", transport)
+            my_plan = a2a.prepare(inputs["ids"][rank], inputs["weights"][rank])
+            return lambda: a2a.dispatch(x, my_plan, quant=quant,
+                                        global_scale=inputs.get("global_scale"))
+        return factory
+
+    paths = [make_path(b, ours(b), normalize=lambda out: _received(out, inputs))
+             for b in ("triton", "flashinfer", "torch")]
+    if quant is not None:
+        paths.append(Path(ONE_SIDED, reason="not run: the one-sided reference row sends bf16 "
+                                            "rows only"))
+        return paths
+
+    holder: dict = {}
+
+    def one_sided():
+        moe = _one_sided(ctx, shape)
+        tags = _token_tags(inputs)
+        ids = inputs["ids"][rank]
+
+        def dispatch():
+            holder["recv"] = moe.dispatch(ids, [x, tags], shape["tokens"])
+            return holder["recv"]
+
+        holder["after"] = lambda: moe.combine(holder["recv"][0], shape["tokens"])
+        return dispatch
+
+    path = make_path(ONE_SIDED, one_sided,
+                     normalize=lambda recv: _one_sided_sorted(recv[0], recv[1], inputs),
+                     after=lambda: holder["after"]())
+    return paths + [path]
+
+
+def _dispatch_check(out, ref, inputs, shape) -> None:
+    assert_same(out, _received(inputs["expected"], inputs), what="received rows")
+
+
+DISPATCH = Stage(
+    name="dispatch", keys=("tokens", "hidden", "experts", "top_k", "routing"),
+    variants=({"quant": "bf16"}, {"quant": "nvfp4"}),
+    build=_dispatch_build, paths=_dispatch_paths, check=_dispatch_check,
+    traffic=_dispatch_traffic,
+    dtype=lambda shape: shape.get("quant", "bf16"),
+    distributed=True, oracle=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Combine (identity experts: every received row goes back as it came)
+# ---------------------------------------------------------------------------------------------
+
+def _combine_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    inputs = _all_inputs(shape, device, ctx)
+    received = load("kernels.reference", "simulate_dispatch")(inputs["xs"], inputs["plans"])
+    inputs["expert_out"] = received[ctx.rank]
+    inputs["expected"] = load("kernels.reference", "simulate_combine")(
+        received, inputs["plans"])[ctx.rank]
+    return inputs
+
+
+def _combine_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    rank = inputs["rank"]
+
+    def ours(transport):
+        def factory():
+            a2a = _moe_alltoall(ctx, shape, "torch", transport)
+            my_plan = a2a.prepare(inputs["ids"][rank], inputs["weights"][rank])
+            return lambda: a2a.combine(inputs["expert_out"], my_plan)
+        return factory
+
+    holder: dict = {}
+
+    def one_sided():
+        moe = _one_sided(ctx, shape)
+        ids, x = inputs["ids"][rank], inputs["xs"][rank]
+
+        def dispatch():  # untimed: combine needs a dispatch before it
+            holder["recv"] = moe.dispatch(ids, [x], shape["tokens"])
+
+        holder["before"] = dispatch
+        # Identity experts: the received rows [R, T, H] go back as the payload.
+        return lambda: moe.combine(holder["recv"][0], shape["tokens"])
+
+    return [make_path(b, ours(b)) for b in ("triton", "flashinfer", "torch")] + [
+        make_path(ONE_SIDED, one_sided, before=lambda: holder["before"]())]
+
+
+COMBINE = Stage(
+    name="combine", keys=("tokens", "hidden", "experts", "top_k", "routing"),
+    build=_combine_build, paths=_combine_paths,
+    check=lambda out, ref, inputs, shape: assert_same(out, inputs["expected"], what="combined"),
+    traffic=_combine_traffic, dtype=lambda shape: "bf16", distributed=True, oracle=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepare across ranks
+# ---------------------------------------------------------------------------------------------
+
+def _canonical_plan(plan) -> dict:
+    """The plan with FlashInfer's atomic order taken out: each send segment sorted by token
+    (backward indices moved along), each receive segment's (ids, weights) rows sorted."""
+    out = {"send_rank_count_cumsum": plan.send_rank_count_cumsum,
+           "recv_rank_count_cumsum": plan.recv_rank_count_cumsum}
+    send = plan.send_rank_local_indices.clone()
+    backward = plan.backward_recv_rank_local_indices.clone()
+    for start, end in _segments(plan.send_rank_count_cumsum):
+        order = send[start:end].long().argsort() + start
+        send[start:end], backward[start:end] = send[order], backward[order]
+    ids, weights = plan.recv_expert_ids.clone(), plan.recv_weights.clone()
+    for start, end in _segments(plan.recv_rank_count_cumsum):
+        # Lexicographic order of the id rows (stable sorts from the last column to the first).
+        order = torch.arange(start, end, device=ids.device)
+        for column in reversed(range(ids.shape[1])):
+            order = order[ids[order, column].long().argsort(stable=True)]
+        ids[start:end], weights[start:end] = ids[order], weights[order]
+    out.update(send_rank_local_indices=send, backward_recv_rank_local_indices=backward,
+               recv_rank_local_indices=plan.recv_rank_local_indices, recv_expert_ids=ids,
+               recv_weights=weights)
+    if plan.expert_counts is not None:
+        out["expert_counts"] = plan.expert_counts
+    return out
+
+
+def _prepare_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    rank = inputs["rank"]
+
+    def ours(prepare):
+        def factory():
+            a2a = _moe_alltoall(ctx, shape, prepare, "torch")
+            return lambda: a2a.prepare(inputs["ids"][rank], inputs["weights"][rank])
+        return factory
+
+    return [make_path(b, ours(b), normalize=_canonical_plan) for b in ("triton", "flashinfer",
+                                                                      "torch")]
+
+
+def _prepare_check(out: dict, ref, inputs, shape) -> None:
+    expected = _canonical_plan(inputs["plans"][inputs["rank"]])
+    for name, value in expected.items():
+        if name == "expert_counts" and name not in out:
+            continue  # a path that does not gather the statistics
+        assert_same(out[name], value, what=name)
+
+
+PREPARE_RANKS = Stage(
+    name="prepare", keys=("tokens", "experts", "top_k", "routing"),
+    variants=({"scope": "ranks"},),
+    extra=lambda: [dict(scope="ranks", tokens=t, experts=256, top_k=8, routing="uniform")
+                   for t in (16, 512, 8192)],
+    build=lambda shape, device, ctx=None: _all_inputs({**shape, "hidden": 16}, device, ctx),
+    paths=_prepare_paths, check=_prepare_check, traffic=_prepare_traffic,
+    dtype=lambda shape: "int32", distributed=True, oracle=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer: route, prepare, dispatch, identity experts via the permutation, combine
+# ---------------------------------------------------------------------------------------------
+
+def _layer_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    inputs = _all_inputs(shape, device, ctx)
+    gen = generator(device, 300 + ctx.rank)
+    logits = torch.randn(shape["tokens"], shape["experts"], generator=gen, device=device)
+    bias = 0.1 * torch.randn(shape["experts"], generator=generator(device, 301), device=device)
+    inputs.update(logits=logits, bias=bias)
+    _, weights = load("kernels.reference", "route_topk")(logits, shape["top_k"], bias=bias,
+                                                         **LAYER_ROUTING)
+    # Identity experts: each rank returns its rows times the sum of its local weights; the
+    # combine adds the ranks up: x * (sum of all k weights), rounded to bf16 once per rank.
+    x = inputs["xs"][ctx.rank]
+    inputs["expected"] = (x.float() * weights.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    return inputs
+
+
+def _layer_choice(backend: str, device: torch.device) -> dict:
+    """The backend of each stage for the layer row ``backend``: that backend wherever the
+    stage switch says it can run, else triton."""
+    why = load("a2a.backends", "why_unavailable")
+    choice = {}
+    for stage in ("routing", "prepare", "transport", "permute"):
+        context = {"method": LAYER_ROUTING["method"]} if stage == "routing" else {}
+        choice[stage] = backend if why(stage, backend, device, **context) is None else "triton"
+    return choice
+
+
+def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    rank, ranks = inputs["rank"], inputs["ranks"]
+    experts, k = shape["experts"], shape["top_k"]
+    local_experts = experts // ranks
+    x = inputs["xs"][rank]
+
+    def layer(backend):
+        def factory():
+            route = load("a2a.routing", "route_topk")
+            permute = load("a2a.permute", "permute_by_expert")
+            gather = load("a2a.permute", "gather_rows")
+            unpermute = load("a2a.permute", "unpermute_and_reduce")
+            choice = _layer_choice(backend, ctx.device)
+            a2a = _moe_alltoall(ctx, shape, choice["prepare"], choice["transport"])
+
+            def run():
+                ids, weights = route(inputs["logits"], k, LAYER_ROUTING["method"],
+                                     bias=inputs["bias"], num_groups=LAYER_ROUTING["num_groups"],
+                                     topk_groups=LAYER_ROUTING["topk_groups"],
+                                     routed_scaling=LAYER_ROUTING["routed_scaling"],
+                                     backend=choice["routing"])
+                plan = a2a.prepare(ids, weights)
+                recv = a2a.dispatch(x, plan)
+                order = permute(plan.recv_expert_ids, experts, first_expert=rank * local_experts,
+                                num_local_experts=local_experts, backend=choice["permute"])
+                rows = gather(recv, order.source_rows, top_k=k, backend=choice["permute"])
+                expert_out = unpermute(rows, order, plan.recv_weights, backend=choice["permute"])
+                return a2a.combine(expert_out, plan)
+            return run
+        return factory
+
+    return [make_path(b, layer(b)) for b in ("triton", "flashinfer", "torch")] + [
+        Path(ONE_SIDED, reason="not run: the layer row of FlashInfer's one-sided all-to-all is "
+                               "not written yet (its receive buffers hold stale rows past the "
+                               "counts, which the permutation would read)")]
+
+
+LAYER = Stage(
+    name="layer", keys=("tokens", "hidden", "experts", "top_k", "routing"),
+    build=_layer_build, paths=_layer_paths,
+    check=lambda out, ref, inputs, shape: assert_same(out, inputs["expected"], what="layer"),
+    traffic=_layer_traffic, dtype=lambda shape: "bf16", distributed=True, oracle=None)
+
+
+DISTRIBUTED_STAGES = (PREPARE_RANKS, DISPATCH, COMBINE, LAYER)
+
+
+def not_distributed_record(stage: Stage, ctx) -> dict:
+    """The one row listing a multi-rank stage that a single process cannot run."""
+    from bench.runner import make_record
+    where = "no GPU here" if ctx.device.type != "cuda" else f"{ctx.world_size} process"
+    return make_record(stage, {"scope": "ranks"} if stage.name == "prepare" else {}, ctx, "*",
+                       ok=None, note=f"not available: needs --gpus 2 or more ({where})")
