@@ -139,6 +139,9 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         records = run_bench(args, ctx)
         if rank == 0:
             finish(args, records, ctx)
+        # The other ranks wait here for rank 0's single-GPU sweep, so that no peer-mapped
+        # workspace is torn down while a rank may still use it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -156,10 +156,22 @@ def _oracle_output(stage: Stage, paths: list[Path], ctx: RunContext) -> tuple[An
     if oracle is None or oracle.run is None:
         return None, (oracle.reason if oracle else f"no {stage.oracle} path")
     try:
-        out = oracle.run()
-        return (oracle.normalize(out) if oracle.normalize else out), ""
+        return _call_once(oracle), ""
     except Exception as error:  # the oracle itself failed: nothing can be checked
         return None, f"oracle failed: {_brief(error)}"
+
+
+def _call_once(path: Path) -> Any:
+    """One untimed call: ``before``, ``run``, ``normalize`` (before ``after`` can overwrite a
+    workspace-backed output), ``after``."""
+    if path.before is not None:
+        path.before()
+    out = path.run()
+    if path.normalize is not None:
+        out = path.normalize(out)
+    if path.after is not None:
+        path.after()
+    return out
 
 
 def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Path,
@@ -173,15 +185,11 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
         return record(ok=None, note=f"not checked, so not timed: {ref_note}")
     ok, note = True, ""
     try:
-        if path.before is not None:
-            path.before()
-        out = path.run()
-        if path.after is not None:
-            path.after()
+        out = _call_once(path)
         if stage.oracle is not None and path.backend == stage.oracle:
             note = "oracle"
         else:
-            stage.check(path.normalize(out) if path.normalize else out, ref, inputs, shape)
+            stage.check(out, ref, inputs, shape)
     except AssertionError as error:
         ok, note = False, f"mismatch: {_brief(error)}"
     except Exception as error:

@@ -38,6 +38,8 @@ PREPARE_EP_SIZE = 8
 # (Zipf-like: with E=256 the top 8 experts take ~half of the pairs).
 SKEW_EXPONENT = 1.2
 SEED = 0
+# torch.compile of the oracle compiles once per shape; the sweep has up to ~50 quantize shapes.
+COMPILE_RECOMPILE_LIMIT = 256
 
 
 class Unavailable(Exception):
@@ -296,8 +298,10 @@ def _routing_valid(shape: dict) -> bool:
     if shape["method"] != "deepseek_v3":
         return True
     e = shape["experts"]
-    return (e % DEEPSEEK_GROUPS == 0
-            and DEEPSEEK_TOPK_GROUPS * (e // DEEPSEEK_GROUPS) >= shape["top_k"])
+    per_group = e // DEEPSEEK_GROUPS
+    # A group's score sums its top-2 experts: groups of at least 2.
+    return (e % DEEPSEEK_GROUPS == 0 and per_group >= 2
+            and DEEPSEEK_TOPK_GROUPS * per_group >= shape["top_k"])
 
 
 ROUTING = Stage(
@@ -405,6 +409,13 @@ def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         if x.device.type != "cuda":
             raise Unavailable("not available: torch.compile is timed on GPU only (the CPU run "
                               "checks the interpreter, its timings mean nothing)")
+        # One compiled graph per shape: raise dynamo's per-function recompile limit (8 by
+        # default), past which it would silently run the function eagerly.
+        import torch._dynamo
+        for limit in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit),
+                                                         COMPILE_RECOMPILE_LIMIT))
         return _quantize_call(torch.compile(load("kernels.reference", name), dynamic=False),
                               shape, x, _lazy(global_scale, shape))
 

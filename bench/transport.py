@@ -422,7 +422,11 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 recv = a2a.dispatch(x, plan)
                 order = permute(plan.recv_expert_ids, experts, first_expert=rank * local_experts,
                                 num_local_experts=local_experts, backend=choice["permute"])
-                rows = gather(recv, order.source_rows, top_k=k, backend=choice["permute"])
+                # Token row of each permuted (row, slot) pair; UNUSED (-1) stays -1.
+                source = order.source_rows
+                token_rows = torch.where(source >= 0, source // k, source)
+                rows = gather(recv, token_rows, backend=choice["permute"])
+                rows = rows[0] if isinstance(rows, tuple) else rows
                 expert_out = unpermute(rows, order, plan.recv_weights, backend=choice["permute"])
                 return a2a.combine(expert_out, plan)
             return run
