@@ -179,7 +179,7 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
     record = lambda **kw: make_record(stage, shape, ctx, path.backend, inputs=inputs, **kw)  # noqa
     if path.run is None:
         ctx.agree(False)  # keep the ranks' collective sequence identical
-        return record(ok=None, note=path.reason)
+        return record(ok=False if path.reason.startswith("error") else None, note=path.reason)
     if ref_note:
         ctx.agree(False)
         return record(ok=None, note=f"not checked, so not timed: {ref_note}")
@@ -215,7 +215,9 @@ def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
         if stage.distributed:
             return ctx.slowest(time_fixed(path.run, before=path.before, after=path.after,
                                           barrier=ctx.barrier))
-        return time_gpu(path.run, graph=stage.graph)
+        # Graph replay for our kernels and FlashInfer's; the torch paths sync on the host
+        # (id checks), which a CUDA graph cannot capture.
+        return time_gpu(path.run, graph=stage.graph and not path.backend.startswith("torch"))
 
 
 def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,

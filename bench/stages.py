@@ -160,11 +160,18 @@ def load(module: str, name: str) -> Callable:
 
 def make_path(backend: str, factory: Callable[[], Callable[[], Any]], **kwargs) -> Path:
     """A :class:`Path` from ``factory() -> run``; an :class:`Unavailable` (or the stage
-    switch's BackendUnavailable) raised while building it becomes the reason."""
+    switch's BackendUnavailable) raised while building it becomes the reason; any other error
+    too, as ``"error: ..."`` (the runner marks that path failed, ok=False)."""
     try:
         return Path(backend, run=factory(), **kwargs)
     except Unavailable as why:
         return Path(backend, reason=str(why))
+    except Exception as error:  # the switch refused, or building the path failed
+        text = str(error).strip().splitlines()
+        text = text[0] if text else ""
+        if type(error).__name__ == "BackendUnavailable":
+            return Path(backend, reason=f"not available: {text}")
+        return Path(backend, reason=f"error: setup failed: {type(error).__name__}: {text}"[:300])
 
 
 def stage_backend(stage: str, backend: str, device: torch.device, **context) -> None:
@@ -409,15 +416,18 @@ def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         if x.device.type != "cuda":
             raise Unavailable("not available: torch.compile is timed on GPU only (the CPU run "
                               "checks the interpreter, its timings mean nothing)")
-        # One compiled graph per shape: raise dynamo's per-function recompile limit (8 by
-        # default), past which it would silently run the function eagerly.
+        # One compiled function per op for the whole run (torch.compile's default: static
+        # shapes first, dynamic after the first recompile); raise dynamo's recompile limit
+        # (8 by default), past which it would silently run the function eagerly.
         import torch._dynamo
         for limit in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, limit):
                 setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit),
                                                          COMPILE_RECOMPILE_LIMIT))
-        return _quantize_call(torch.compile(load("kernels.reference", name), dynamic=False),
-                              shape, x, _lazy(global_scale, shape))
+        cache = ctx.shared.setdefault("compiled", {})
+        if name not in cache:
+            cache[name] = torch.compile(load("kernels.reference", name))
+        return _quantize_call(cache[name], shape, x, _lazy(global_scale, shape))
 
     return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
             make_path("torch", oracle), make_path("torch_compile", compiled)]

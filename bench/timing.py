@@ -27,6 +27,9 @@ import torch
 
 # Quantiles reported next to the median.
 LOW_Q, HIGH_Q = 0.2, 0.8
+# do_bench budgets in milliseconds: half of Triton's defaults (25 / 100 / 20), enough for stable
+# medians of microsecond kernels, and the full sweep has about a thousand rows.
+WARMUP_MS, REP_MS, GRAPH_REP_MS = 10, 50, 20
 # Calls of a collective per measurement (fixed so that every rank issues the same sequence).
 FIXED_WARMUP, FIXED_REPS = 5, 30
 # Interpreter runs: a couple of calls after the checked one, the numbers mean nothing anyway.
@@ -69,11 +72,13 @@ def time_gpu(fn: Callable[[], object], *, graph: bool = False) -> Timing:
     quantiles = [0.5, LOW_Q, HIGH_Q]
     if graph:
         try:
-            median, low, high = triton.testing.do_bench_cudagraph(fn, quantiles=quantiles)
+            median, low, high = triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP_MS,
+                                                                  quantiles=quantiles)
             return Timing(median * 1e3, low * 1e3, high * 1e3, "cuda_graph")
         except Exception:  # capture refused: fall through to eager timing
             torch.cuda.synchronize()
-    median, low, high = triton.testing.do_bench(fn, quantiles=quantiles)
+    median, low, high = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS,
+                                                quantiles=quantiles)
     return Timing(median * 1e3, low * 1e3, high * 1e3, "do_bench")
 
 

@@ -10,8 +10,8 @@ import torch
 from bench import report
 from bench.__main__ import main, parse_args
 from bench.runner import RunContext, add_speedups, percent_of_limit, run_stages
-from bench.stages import (PERMUTE, QUANTIZE, ROUTING, Path, Stage, Sweep, assert_same,
-                          make_topk)
+from bench.stages import (PERMUTE, QUANTIZE, ROUTING, Path, Stage, Sweep, Unavailable,
+                          assert_same, make_path, make_topk)
 from bench.targets import judge_targets
 
 RECORD_KEYS = {"stage", "backend", "gpu", "num_gpus", "shape", "dtype", "time_us", "p20_us",
@@ -20,6 +20,10 @@ RECORD_KEYS = {"stage", "backend", "gpu", "num_gpus", "shape", "dtype", "time_us
 META_KEYS = {"gpu", "driver", "torch", "triton", "flashinfer", "date", "command", "limits"}
 
 TINY = Sweep(tokens=(3, 5), hidden=(32,), experts=(8,), top_k=(2,), routing=("uniform",))
+
+
+def _broken_setup():
+    raise RuntimeError("boom")
 
 
 def _cumsum_stage() -> Stage:
@@ -32,7 +36,8 @@ def _cumsum_stage() -> Stage:
                      .add(x)),  # the same sums computed the other way round
                 Path("flashinfer", run=lambda: torch.cumsum(x, 0) + 1),
                 Path("torch_compile", run=lambda: 1 / 0),
-                Path("flashinfer_one_sided", reason="not available: by construction")]
+                Path("flashinfer_one_sided", reason="not available: by construction"),
+                make_path("broken_setup", _broken_setup)]
     return Stage(name="cumsum", keys=("tokens",),
                  build=lambda shape, device, ctx=None: {
                      "x": torch.arange(shape["tokens"] * 4, dtype=torch.float32,
@@ -45,7 +50,7 @@ def _cumsum_stage() -> Stage:
 def test_runner_checks_before_timing():
     ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
     records = run_stages([_cumsum_stage()], TINY, ctx, progress=False)
-    assert len(records) == 2 * 5  # two shapes, five paths
+    assert len(records) == 2 * 6  # two shapes, six paths
     for r in records:
         assert RECORD_KEYS <= set(r)
         assert r["bytes"] == 32 * r["shape"]["tokens"]
@@ -62,6 +67,16 @@ def test_runner_checks_before_timing():
     assert "ZeroDivisionError" in by_backend["torch_compile"]["note"]
     assert by_backend["flashinfer_one_sided"]["ok"] is None
     assert by_backend["flashinfer_one_sided"]["note"] == "not available: by construction"
+    assert by_backend["broken_setup"]["ok"] is False
+    assert by_backend["broken_setup"]["note"] == "error: setup failed: RuntimeError: boom"
+
+
+def test_make_path_turns_refusals_into_reasons():
+    def refuse():
+        raise Unavailable("not available: refused")
+    assert make_path("triton", refuse) == Path("triton", reason="not available: refused")
+    path = make_path("triton", lambda: (lambda: 7))
+    assert path.run() == 7 and path.reason == ""
 
 
 def test_backend_filter_keeps_the_oracle_for_checking():
