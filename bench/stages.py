@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
