@@ -352,8 +352,9 @@ def _dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_ro
     else:
         out = values * _e8m0_value(sf)[:, :, None]
     out = tl.reshape(out, (BLOCK_ROWS, COLS))
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    if out_ptr.dtype.element_ty != tl.float32:  # round once, to nearest even, like torch
+        out = out.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], out, mask=mask)
 
 
 # =============================================================================================
