@@ -109,7 +109,13 @@ def _flashinfer_common(device: torch.device) -> Optional[str]:
     return None
 
 
-def _quantize_flashinfer(device: torch.device, **_) -> Optional[str]:
+def _quantize_flashinfer(device: torch.device, op: Optional[str] = None, **_) -> Optional[str]:
+    # ``op`` narrows the rule to one quantize-stage op. block_scale_interleave (the scale
+    # swizzle) is a plain CUDA kernel that runs on SM90 too; FlashInfer has no global-scale op.
+    if op == "swizzle":
+        return _flashinfer_common(device)
+    if op == "global_scale":
+        return "FlashInfer has no standalone NVFP4 global-scale op (it takes the scale as input)"
     major = sm_major(device)
     if major is not None and major >= BLACKWELL_SM_MAJOR:
         return _flashinfer_common(device)

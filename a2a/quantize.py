@@ -91,7 +91,7 @@ def _flashinfer_swizzle_scales(sf, layout):
 
 def nvfp4_global_scale(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
     """448 * 6 / amax(x) as [1] fp32 (1.0 when amax == 0); x: [M, H] bf16/fp16/fp32.
-    FlashInfer has no such kernel, so "flashinfer" runs the Triton one."""
+    FlashInfer has no such kernel: backend="flashinfer" is refused with that reason."""
     chosen = resolve(STAGE, backend, x.device, op="global_scale")
     if chosen == "torch":
         return reference.nvfp4_global_scale(x)
