@@ -169,7 +169,8 @@ def simulate_alltoall(topk_ids_per_rank: list, topk_weights_per_rank: list, num_
             tokens = local[source].send_rank_local_indices[start:end].long()
             ids = topk_ids_per_rank[source][tokens]
             owned = (ids.long() // slots_per_rank) == receiver
-            recv_ids[row:row + tokens.numel()] = torch.where(owned, ids, torch.full_like(ids, slots))
+            foreign = torch.full_like(ids, slots)
+            recv_ids[row:row + tokens.numel()] = torch.where(owned, ids, foreign)
             recv_weights[row:row + tokens.numel()] = topk_weights_per_rank[source][tokens]
             recv_counts[source] = tokens.numel()
             row += tokens.numel()
