@@ -25,6 +25,9 @@ from kernels.reference import (_check_gather_inputs, _check_permute_inputs,
 from kernels.types import UNUSED, Permutation
 from kernels.validate import check_tensor
 
+# UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
+UNUSED_ENTRY = tl.constexpr(UNUSED)
+
 
 # =============================================================================================
 # permute_by_expert: a three-pass counting sort
@@ -67,7 +70,7 @@ def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, source_rows_ptr,
     entries)."""
     block = tl.program_id(0)
     pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
-    tl.store(source_rows_ptr + pairs, tl.full([BLOCK_PAIRS], UNUSED, tl.int32),
+    tl.store(source_rows_ptr + pairs, tl.full([BLOCK_PAIRS], UNUSED_ENTRY, tl.int32),
              mask=pairs < capacity)
     if block < num_blocks:
         valid = pairs < num_pairs
@@ -135,7 +138,7 @@ def _place_pairs_kernel(topk_ids_ptr, block_starts_ptr, expert_counts_ptr, exper
     if block == 0:
         tl.store(expert_offsets_ptr + num_local_experts, segment_end)
     tl.store(source_rows_ptr + place, pairs, mask=owned)
-    tl.store(inverse_ptr + pairs, tl.where(owned, place, UNUSED), mask=valid)
+    tl.store(inverse_ptr + pairs, tl.where(owned, place, UNUSED_ENTRY), mask=valid)
 
 
 # Pairs per block of passes 1 and 3: T=8192, k=8 gives 256 blocks, about two per SM of an H200.
@@ -223,7 +226,7 @@ def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, num_out_rows, num_sources,
     words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
     row_ok = out_rows < num_out_rows
     word_ok = words < row_words
-    sources = tl.load(rows_ptr + out_rows, mask=row_ok, other=UNUSED)
+    sources = tl.load(rows_ptr + out_rows, mask=row_ok, other=UNUSED_ENTRY)
     source_ok = row_ok & (sources >= 0) & (sources < num_sources)
     tokens = tl.where(source_ok, sources // top_k, 0).to(tl.int64)
     values = tl.load(table_ptr + tokens[:, None] * row_words + words[None, :],
@@ -326,7 +329,7 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
     col_ok = cols < hidden
     acc = tl.zeros([BLOCK_TOKENS, BLOCK_COLS], tl.float32)
     for slot in tl.static_range(TOP_K):
-        rows = tl.load(inverse_ptr + tokens * TOP_K + slot, mask=token_ok, other=UNUSED)
+        rows = tl.load(inverse_ptr + tokens * TOP_K + slot, mask=token_ok, other=UNUSED_ENTRY)
         owned = token_ok & (rows >= 0) & (rows < num_rows)
         weight = tl.load(weights_ptr + tokens * weight_stride_token + slot * weight_stride_slot,
                          mask=owned, other=0).to(tl.float32)
