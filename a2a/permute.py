@@ -1,0 +1,103 @@
+"""The "permute" stage: expert-major permutation around the local expert compute.
+
+Public functions with the signatures of their oracles in ``kernels.reference`` plus a keyword
+``backend=None``: ``"triton"`` runs ``kernels.permute``, ``"torch"`` the plain-torch reference.
+FlashInfer has no standalone permutation (it is fused into its MoE GEMMs), so the switch refuses
+``"flashinfer"`` with that reason. The backend is resolved once per call by
+``a2a.backends.resolve("permute", backend, device)``.
+
+A local expert step on a rank that owns experts ``[first, first + E_local)``::
+
+    perm = permute_by_expert(recv_expert_ids, num_experts, first_expert=first,
+                             num_local_experts=E_local, align=128)
+    rows = gather_rows(recv_x, perm.source_rows, top_k=perm.top_k)        # [P, H]
+    expert_out = grouped_gemm(rows, perm.expert_offsets)                    # the user's
+    out = unpermute_and_reduce(expert_out, perm, recv_weights)             # [T, H]
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Optional, Union
+
+import torch
+
+from a2a.backends import resolve
+from kernels.types import Permutation
+
+# The module holding each backend's functions (imported when first chosen: "triton" imports
+# triton, which must see TRITON_INTERPRET, when set, before its first import).
+_MODULES = {"triton": "kernels.permute", "torch": "kernels.reference"}
+
+
+def _implementation(backend: Optional[str], tensor: torch.Tensor, name: str) -> ModuleType:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    return importlib.import_module(_MODULES[resolve("permute", backend, tensor.device)])
+
+
+def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
+                      num_local_experts: Optional[int] = None, align: int = 1,
+                      backend: Optional[str] = None) -> Permutation:
+    """Expert-major order of the locally owned (token, slot) pairs.
+
+    Arguments:
+        topk_ids: [T, k] int32, global expert id of each (token, slot); ``num_experts`` is the
+            padding id (an unowned slot); any other id outside ``[0, num_experts)`` is an error.
+        num_experts: E (or the slot count S), the number of global expert ids.
+        first_expert: the first global expert id this rank owns (``ep_rank * E_local``).
+        num_local_experts: E_local; default ``num_experts - first_expert``.
+        align: pad every expert's segment up to a multiple of this (e.g. the grouped GEMM's
+            tile height; 1 = no padding).
+        backend: "triton", "torch" or "auto"; None takes the default (``MOE_A2A_BACKENDS``).
+
+    Returns:
+        :class:`kernels.types.Permutation`: ``source_rows [P]`` (flat pair index ``t*k + j`` of
+        each permuted row, UNUSED for padding), ``expert_counts [E_local]``,
+        ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, all int32 on ``topk_ids``' device,
+        ``P = T*k + E_local*(align - 1)``. Both backends give identical buffers.
+    """
+    impl = _implementation(backend, topk_ids, "topk_ids")
+    return impl.permute_by_expert(topk_ids, num_experts, first_expert=first_expert,
+                                  num_local_experts=num_local_experts, align=align)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
+                top_k: int = 1, backend: Optional[str] = None
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Copy rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``, zeros where
+    ``rows[p]`` is UNUSED.
+
+    Arguments:
+        x: [T, W] any dtype (bf16 rows [T, H], packed NVFP4 uint8 [T, H/2], ...).
+        rows: [P] int32, e.g. ``permutation.source_rows`` (then pass ``top_k=permutation.top_k``).
+        scales: optional [T, Ws], e.g. NVFP4 block scales uint8 [T, H/16], gathered alike.
+        top_k: consecutive ``rows`` values per row of ``x`` (1 = rows are token ids).
+        backend: "triton", "torch" or "auto"; None takes the default.
+
+    Returns:
+        out [P, W] in ``x``'s dtype, or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
+    """
+    impl = _implementation(backend, x, "x")
+    return impl.gather_rows(x, rows, scales=scales, top_k=top_k)
+
+
+def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
+                         topk_weights: torch.Tensor, *, backend: Optional[str] = None
+                         ) -> torch.Tensor:
+    """Weighted sum of each token's permuted rows, back in token order:
+    ``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over owned slots, j = 0..k-1,
+    float32 accumulation; both backends give bit-identical results.
+
+    Arguments:
+        expert_out: [P, H] bf16/fp16/fp32, the expert compute's output in permuted order.
+        permutation: the :class:`Permutation` the rows were gathered with.
+        topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weights.
+        backend: "triton", "torch" or "auto"; None takes the default.
+
+    Returns:
+        out: [T, H] in ``expert_out``'s dtype (zero rows for tokens with no owned slot).
+    """
+    impl = _implementation(backend, expert_out, "expert_out")
+    return impl.unpermute_and_reduce(expert_out, permutation, topk_weights)

@@ -1,0 +1,380 @@
+"""Expert-major permutation around the local expert compute, in Triton.
+
+Three ops, each with the signature of its oracle in ``kernels.reference``:
+
+``permute_by_expert``     (token, slot) pairs -> expert-major order (:class:`Permutation`),
+                          a stable, atomic-free counting sort in three passes;
+``gather_rows``           rows of x (any dtype, e.g. bf16 or packed NVFP4) into that order;
+``unpermute_and_reduce``  the weighted sum over each token's k slots, back in token order.
+
+Determinism: no pass depends on the order of atomics; the same input gives bit-identical
+output on every run (the histogram's shared-memory atomics add integers, whose sum does not
+depend on their order).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import (_check_gather_inputs, _check_permute_inputs,
+                               _check_unpermute_inputs, _permutation_capacity)
+from kernels.types import UNUSED, Permutation
+from kernels.validate import check_tensor
+
+# UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
+UNUSED_ENTRY = tl.constexpr(UNUSED)
+
+
+# =============================================================================================
+# permute_by_expert: a three-pass counting sort
+# =============================================================================================
+#
+# Worked example (BLOCK_PAIRS = 4 here for the picture; 256 in the launcher):
+#   topk_ids = [[2, 0], [2, 1], [0, 2], [5, 0]]  (T=4, k=2), num_experts = 6, first_expert = 0,
+#   E_local = 3 (id 5 is another rank's), align = 2, so P = 8 + 3*1 = 11.
+#   flat pairs  0  1  2  3 | 4  5  6  7
+#   local ids   2  0  2  1 | 0  2  -  0        (- = not owned)
+#
+# Pass 1, one program per block of pairs (every program also fills its stretch of source_rows
+#   with UNUSED, so that padding rows keep UNUSED):
+#   block_counts [num_blocks, E_local] = [[1, 1, 2],       pairs of each expert in each block
+#                                         [2, 0, 1]]
+# Pass 2, one program per chunk of experts; exclusive scan down the blocks:
+#   block_starts [num_blocks, E_local] = [[0, 0, 0],       pairs of the expert in earlier blocks
+#                                         [1, 1, 2]]
+#   expert_counts = [3, 1, 3]                              column totals
+# Pass 3, one program per block; every program scans the padded counts ([4, 2, 4] here) into
+#   expert_offsets = [0, 4, 6, 10] (program 0 stores them), then places its pairs:
+#   place = expert_offsets[e] + block_starts[b, e] + rank - 1, where rank (from 1) counts the
+#   block's pairs of expert e up to this one: the column cumsum of the one-hot matrix
+#   [BLOCK_PAIRS, E_local], read at the pair's own column.
+#   block 0: experts [2, 0, 2, 1], ranks [1, 1, 2, 1] -> places [6, 0, 7, 4]
+#   block 1: experts [0, 2, -, 0], ranks [1, 1, -, 2] -> places [1, 8, -, 2]
+#   source_rows = [1, 4, 7, U, 3, U, 0, 2, 5, U, U]        (U = UNUSED)
+#   inverse     = [6, 0, 7, 4, 1, 8, U, 2]
+#
+# Loops over a runtime bound are `while` loops: Triton 3.6's interpreter cannot take a runtime
+# int as a `range` bound under numpy >= 2.4 (it calls int() on a 1-element array).
+
+
+@triton.jit
+def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, source_rows_ptr, num_pairs,
+                                num_blocks, capacity, first_expert, num_local_experts,
+                                BLOCK_PAIRS: tl.constexpr, EXPERT_BINS: tl.constexpr):
+    """Pass 1: ``block_counts[b, e]`` = owned pairs of local expert e among block b's pairs;
+    and ``source_rows[p] = UNUSED`` over the program's stretch (the grid covers all P >= T*k
+    entries)."""
+    block = tl.program_id(0)
+    pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    tl.store(source_rows_ptr + pairs, tl.full([BLOCK_PAIRS], UNUSED_ENTRY, tl.int32),
+             mask=pairs < capacity)
+    if block < num_blocks:
+        valid = pairs < num_pairs
+        local = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1) - first_expert
+        owned = valid & (local >= 0) & (local < num_local_experts)
+        counts = tl.histogram(tl.where(owned, local, 0), EXPERT_BINS, mask=owned)
+        bins = tl.arange(0, EXPERT_BINS)
+        tl.store(block_counts_ptr + block * num_local_experts + bins, counts,
+                 mask=bins < num_local_experts)
+
+
+@triton.jit
+def _scan_blocks_kernel(block_counts_ptr, block_starts_ptr, expert_counts_ptr, num_blocks,
+                        num_local_experts, SCAN_BLOCKS: tl.constexpr,
+                        EXPERT_CHUNK: tl.constexpr):
+    """Pass 2: for one chunk of experts, an exclusive scan of ``block_counts`` down the blocks
+    (``block_starts``); the column totals are ``expert_counts``."""
+    experts = tl.program_id(0) * EXPERT_CHUNK + tl.arange(0, EXPERT_CHUNK)
+    expert_ok = experts < num_local_experts
+    totals = tl.zeros([EXPERT_CHUNK], tl.int32)      # pairs in the blocks scanned so far
+    first_block = 0
+    while first_block < num_blocks:
+        blocks = first_block + tl.arange(0, SCAN_BLOCKS)
+        mask = (blocks < num_blocks)[:, None] & expert_ok[None, :]
+        offsets = blocks[:, None] * num_local_experts + experts[None, :]
+        counts = tl.load(block_counts_ptr + offsets, mask=mask, other=0)
+        tl.store(block_starts_ptr + offsets, tl.cumsum(counts, axis=0) - counts + totals[None, :],
+                 mask=mask)
+        totals += tl.sum(counts, axis=0)
+        first_block += SCAN_BLOCKS
+    tl.store(expert_counts_ptr + experts, totals, mask=expert_ok)
+
+
+@triton.jit
+def _place_pairs_kernel(topk_ids_ptr, block_starts_ptr, expert_counts_ptr, expert_offsets_ptr,
+                        source_rows_ptr, inverse_ptr, num_pairs, first_expert, num_local_experts,
+                        align, BLOCK_PAIRS: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+    """Pass 3: the place of each pair of the block, chunk of experts by chunk; writes
+    ``source_rows`` and ``inverse`` (and ``expert_offsets`` from program 0)."""
+    block = tl.program_id(0)
+    pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    valid = pairs < num_pairs
+    local = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1) - first_expert
+    owned = valid & (local >= 0) & (local < num_local_experts)
+    local = tl.where(owned, local, -1)               # matches no expert column
+    place = tl.zeros([BLOCK_PAIRS], tl.int32)
+    segment_end = tl.full([], 0, tl.int32)           # padded rows of the earlier chunks
+    first = 0
+    while first < num_local_experts:
+        experts = first + tl.arange(0, EXPERT_CHUNK)
+        expert_ok = experts < num_local_experts
+        counts = tl.load(expert_counts_ptr + experts, mask=expert_ok, other=0)
+        padded = (counts + align - 1) // align * align
+        offsets = segment_end + tl.cumsum(padded, axis=0) - padded
+        segment_end += tl.sum(padded, axis=0)
+        if block == 0:
+            tl.store(expert_offsets_ptr + experts, offsets, mask=expert_ok)
+        # (program 0 runs even when there are no pairs and no block_starts row to read)
+        starts = tl.load(block_starts_ptr + block * num_local_experts + experts,
+                         mask=expert_ok & (block * BLOCK_PAIRS < num_pairs), other=0)
+        hit = (local[:, None] == experts[None, :]).to(tl.int32)    # [BLOCK_PAIRS, EXPERT_CHUNK]
+        rank = tl.cumsum(hit, axis=0)
+        place += tl.sum(hit * (offsets[None, :] + starts[None, :] + rank - 1), axis=1)
+        first += EXPERT_CHUNK
+    if block == 0:
+        tl.store(expert_offsets_ptr + num_local_experts, segment_end)
+    tl.store(source_rows_ptr + place, pairs, mask=owned)
+    tl.store(inverse_ptr + pairs, tl.where(owned, place, UNUSED_ENTRY), mask=valid)
+
+
+# Pairs per block of passes 1 and 3: T=8192, k=8 gives 256 blocks, about two per SM of an H200.
+# Pass 3's one-hot tile [BLOCK_PAIRS, EXPERT_CHUNK] is 32 int32 per thread at 8 warps.
+BLOCK_PAIRS = 256
+EXPERT_CHUNK = 32
+PLACE_WARPS = 8
+# Pass 2 tile [SCAN_BLOCKS, EXPERT_CHUNK]: 4096 int32, 32 per thread at 4 warps; T*k = 65536
+# takes two steps down the blocks.
+SCAN_BLOCKS = 128
+# tl.histogram keeps at least one bin per lane of a warp.
+MIN_HISTOGRAM_BINS = 32
+
+
+def _launch_permute(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
+                    align: int) -> Permutation:
+    """The three passes, without the input checks (which read the ids: a host sync)."""
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    capacity = _permutation_capacity(num_pairs, num_local_experts, align)
+    num_blocks = triton.cdiv(num_pairs, BLOCK_PAIRS)
+
+    block_counts = torch.empty((num_blocks, num_local_experts), dtype=torch.int32, device=device)
+    block_starts = torch.empty_like(block_counts)
+    source_rows = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+    expert_offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=device)
+    inverse = torch.empty(num_pairs, dtype=torch.int32, device=device)
+
+    fill_blocks = triton.cdiv(capacity, BLOCK_PAIRS)      # capacity >= num_pairs
+    if fill_blocks > 0:
+        bins = max(MIN_HISTOGRAM_BINS, triton.next_power_of_2(num_local_experts))
+        _count_block_experts_kernel[(fill_blocks,)](
+            topk_ids, block_counts, source_rows, num_pairs, num_blocks, capacity, first_expert,
+            num_local_experts, BLOCK_PAIRS=BLOCK_PAIRS, EXPERT_BINS=bins, num_warps=4)
+    _scan_blocks_kernel[(triton.cdiv(num_local_experts, EXPERT_CHUNK),)](
+        block_counts, block_starts, expert_counts, num_blocks, num_local_experts,
+        SCAN_BLOCKS=SCAN_BLOCKS, EXPERT_CHUNK=EXPERT_CHUNK, num_warps=4)
+    # At least one program, so that expert_offsets is written when there are no pairs.
+    _place_pairs_kernel[(max(num_blocks, 1),)](
+        topk_ids, block_starts, expert_counts, expert_offsets, source_rows, inverse, num_pairs,
+        first_expert, num_local_experts, align, BLOCK_PAIRS=BLOCK_PAIRS,
+        EXPERT_CHUNK=EXPERT_CHUNK, num_warps=PLACE_WARPS)
+    return Permutation(source_rows=source_rows, expert_counts=expert_counts,
+                       expert_offsets=expert_offsets, inverse=inverse,
+                       top_k=topk_ids.shape[1], align=align)
+
+
+def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
+                      num_local_experts: Optional[int] = None, align: int = 1) -> Permutation:
+    """Expert-major order of the locally owned (token, slot) pairs (see :class:`Permutation`);
+    equal, field for field, to ``kernels.reference.permute_by_expert``.
+
+    Arguments:
+        topk_ids: [T, k] int32, contiguous, global expert id of each (token, slot);
+            ``num_experts`` is the padding id (an unowned slot).
+        num_experts: E (or the slot count S), the number of global expert ids.
+        first_expert: the first global expert id this rank owns (``ep_rank * E_local``).
+        num_local_experts: E_local; default ``num_experts - first_expert``.
+        align: pad every expert's segment up to a multiple of this (1 = no padding).
+
+    Returns:
+        :class:`Permutation`: ``source_rows [P]``, ``expert_counts [E_local]``,
+        ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, int32 on ``topk_ids``' device,
+        ``P = T*k + E_local*(align - 1)``.
+
+    The id range check reads ``topk_ids`` (one host sync on a GPU), as the oracle's does.
+    """
+    num_local = _check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
+                                      align)
+    check_tensor("topk_ids", topk_ids, contiguous=True)
+    return _launch_permute(topk_ids, first_expert, num_local, align)
+
+
+# =============================================================================================
+# gather_rows: a row gather, moved as 4-byte words
+# =============================================================================================
+
+@triton.jit
+def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, num_out_rows, num_sources, top_k,
+                        row_words, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    """``out[p, :] = table[rows[p] // top_k, :]`` for a [BLOCK_ROWS, BLOCK_WORDS] tile; a row
+    whose source is UNUSED (or outside [0, num_sources)) is written as zeros."""
+    out_rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+    row_ok = out_rows < num_out_rows
+    word_ok = words < row_words
+    sources = tl.load(rows_ptr + out_rows, mask=row_ok, other=UNUSED_ENTRY)
+    source_ok = row_ok & (sources >= 0) & (sources < num_sources)
+    tokens = tl.where(source_ok, sources // top_k, 0).to(tl.int64)
+    values = tl.load(table_ptr + tokens[:, None] * row_words + words[None, :],
+                     mask=source_ok[:, None] & word_ok[None, :], other=0)
+    tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * row_words + words[None, :], values,
+             mask=row_ok[:, None] & word_ok[None, :])
+
+
+# Words per program tile: 4096 words = 16 KiB in flight per program (32 words, eight 16-byte
+# vectors, per thread at 4 warps); a tile is at most GATHER_TILE_WORDS_PER_ROW wide so that a
+# 7168-wide bf16 row (3584 words) splits into 7 full column blocks.
+GATHER_TILE_WORDS = 4096
+GATHER_TILE_WORDS_PER_ROW = 512
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous 2-D tensor's rows as the widest of int32/int16/uint8 words that divides
+    the row size in bytes (4-byte words give 16-byte vectors of 4)."""
+    row_bytes = t.shape[1] * t.element_size()
+    raw = t.view(torch.uint8)
+    for word in (torch.int32, torch.int16):
+        if row_bytes % word.itemsize == 0:
+            return raw.view(word)
+    return raw
+
+
+def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
+    if out.numel() == 0:
+        return out
+    table_words, out_words = _as_words(table), _as_words(out)
+    row_words = table_words.shape[1]
+    block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(row_words))
+    block_rows = GATHER_TILE_WORDS // block_words
+    grid = (triton.cdiv(rows.numel(), block_rows), triton.cdiv(row_words, block_words))
+    _gather_rows_kernel[grid](table_words, rows, out_words, rows.numel(), table.shape[0] * top_k,
+                              top_k, row_words, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
+                              num_warps=4)
+    return out
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
+                top_k: int = 1) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``; equal, bit
+    for bit, to ``kernels.reference.gather_rows``.
+
+    Pass ``rows = permutation.source_rows`` with ``top_k = permutation.top_k`` to gather token
+    rows into expert-major order; ``top_k=1`` reads ``rows`` as token ids.
+
+    Arguments:
+        x: [T, W] contiguous, any dtype (bf16/fp16/fp32 rows, packed NVFP4 uint8 [T, H/2], ...).
+        rows: [P] int32, the source of each output row: ``UNUSED`` (-1) gives a zero row,
+            otherwise ``[0, T*top_k)``. Not range-checked here (that would sync): a value
+            outside also gives a zero row, where the oracle raises.
+        scales: optional [T, Ws] contiguous (e.g. NVFP4 scales uint8 [T, H/16], linear layout),
+            gathered with the same rows.
+        top_k: how many consecutive ``rows`` values map to one row of ``x``.
+
+    Returns:
+        out: [P, W] in ``x``'s dtype; or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
+    """
+    _check_gather_inputs(x, rows, scales, top_k)
+    check_tensor("x", x, contiguous=True)
+    check_tensor("rows", rows, contiguous=True)
+    if scales is not None:
+        check_tensor("scales", scales, contiguous=True)
+    out = _launch_gather(x, rows, top_k)
+    return out if scales is None else (out, _launch_gather(scales, rows, top_k))
+
+
+# =============================================================================================
+# unpermute_and_reduce: weighted sum over each token's k slots
+# =============================================================================================
+
+@triton.jit
+def _round_to(acc, DTYPE: tl.constexpr):
+    """float32 -> DTYPE, round to nearest even. For bf16 the rounding is spelled out on the bits
+    (torch's formula, NaN -> 0x7FC0): the GPU's own cast rounds to nearest even too, but
+    Triton's interpreter truncates, and both faces must equal the oracle bit for bit."""
+    if DTYPE == tl.bfloat16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(DTYPE)
+
+
+@triton.jit
+def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_ptr, num_tokens,
+                                 num_rows, hidden, weight_stride_token, weight_stride_slot,
+                                 TOP_K: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                                 BLOCK_COLS: tl.constexpr):
+    """``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j in
+    fixed order 0..k-1, float32 accumulation; launched with fp fusion off so each slot is one
+    rounded multiply and one rounded add, exactly as the oracle computes."""
+    tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    token_ok = tokens < num_tokens
+    col_ok = cols < hidden
+    acc = tl.zeros([BLOCK_TOKENS, BLOCK_COLS], tl.float32)
+    for slot in tl.static_range(TOP_K):
+        rows = tl.load(inverse_ptr + tokens * TOP_K + slot, mask=token_ok, other=UNUSED_ENTRY)
+        owned = token_ok & (rows >= 0) & (rows < num_rows)
+        weight = tl.load(weights_ptr + tokens * weight_stride_token + slot * weight_stride_slot,
+                         mask=owned, other=0).to(tl.float32)
+        values = tl.load(expert_out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+                         mask=owned[:, None] & col_ok[None, :], other=0).to(tl.float32)
+        acc = tl.where(owned[:, None], acc + weight[:, None] * values, acc)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :],
+             _round_to(acc, out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
+
+
+# Tile [tokens, columns] of UNPERMUTE_TILE elements, at most UNPERMUTE_BLOCK_COLS wide: 1024
+# columns = 8 bf16 (one 16-byte vector) per thread per row at 4 warps; the k slot loads are
+# unrolled, so 2 tokens x k=8 slots keep 32 KiB of bf16 rows in flight per program, with 16 fp32
+# accumulators per thread. Narrower rows take more tokens per program.
+UNPERMUTE_TILE = 2048
+UNPERMUTE_BLOCK_COLS = 1024
+
+
+def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
+                         topk_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's permuted rows, back in token order; bit-identical to
+    ``kernels.reference.unpermute_and_reduce`` (same float32 operations in the same order).
+
+    Arguments:
+        expert_out: [P, H] bf16/fp16/fp32, contiguous, one row per permuted row.
+        permutation: the :class:`Permutation` the rows were gathered with.
+        topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weight of each slot.
+
+    Returns:
+        out: [T, H] in ``expert_out``'s dtype; a token with no owned slot gives a zero row.
+    """
+    _check_unpermute_inputs(expert_out, permutation, topk_weights)
+    check_tensor("expert_out", expert_out, contiguous=True)
+    check_tensor("permutation.inverse", permutation.inverse, contiguous=True)
+    num_tokens, top_k = topk_weights.shape
+    hidden = expert_out.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
+    if out.numel() == 0:
+        return out
+    block_cols = min(UNPERMUTE_BLOCK_COLS, triton.next_power_of_2(hidden))
+    block_tokens = UNPERMUTE_TILE // block_cols
+    grid = (triton.cdiv(num_tokens, block_tokens), triton.cdiv(hidden, block_cols))
+    _unpermute_and_reduce_kernel[grid](
+        expert_out, permutation.inverse, topk_weights, out, num_tokens, expert_out.shape[0],
+        hidden, topk_weights.stride(0), topk_weights.stride(1), TOP_K=top_k,
+        BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols, num_warps=4,
+        enable_fp_fusion=False)
+    return out

@@ -1,0 +1,345 @@
+"""The Triton permutation kernels (kernels.permute) against the oracle, and the stage switch.
+
+Index buffers and gathered rows are compared exactly. unpermute_and_reduce is compared exactly
+too, in every dtype: the kernel performs the oracle's float32 operations in the same order (fp
+fusion off, so no fma) and rounds to the output dtype to nearest even, as torch does.
+On CPU everything runs through Triton's interpreter on small shapes; ``gpu`` tests take the
+production sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import a2a.permute
+from a2a.backends import BackendUnavailable
+from kernels import permute as triton_permute
+from kernels import reference
+from kernels.types import UNUSED
+from test_reference_permute import assert_permutation_equal, check_permutation_invariants
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_ids(num_tokens, top_k, num_experts, device, *, padding=True) -> torch.Tensor:
+    """[T, k] int32 ids in [0, E] (E = padding) or [0, E)."""
+    high = num_experts + 1 if padding else num_experts
+    return torch.randint(0, high, (num_tokens, top_k), dtype=torch.int32, device=device)
+
+
+def both_permutations(topk_ids, num_experts, **kwargs):
+    return (triton_permute.permute_by_expert(topk_ids, num_experts, **kwargs),
+            reference.permute_by_expert(topk_ids, num_experts, **kwargs))
+
+
+# ---------------------------------------------------------------------------------------------
+# permute_by_expert
+# ---------------------------------------------------------------------------------------------
+
+# Each axis of the task covered at least once, kept small for the interpreter:
+# T in 0, 1, 7, 255, 300; E in 8, 60, 256; k in 1, 4, 8; align 1, 16, 128; a local range; ids
+# drawn from [0, E] so the padding id appears.
+PERMUTE_CASES = [
+    # T,   k, E,   first, E_local, align
+    (0,    4, 8,   0,     None,    16),
+    (1,    1, 8,   0,     None,    1),
+    (7,    4, 60,  0,     None,    16),
+    (255,  8, 8,   0,     None,    1),
+    (300,  8, 256, 64,    64,      128),
+    (300,  4, 60,  30,    15,      16),
+    (300,  1, 256, 0,     None,    1),
+    (1023, 8, 256, 0,     None,    16),
+]
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align",
+                         PERMUTE_CASES)
+def test_permute_matches_oracle(device, seed, num_tokens, top_k, num_experts, first_expert,
+                                num_local, align):
+    topk_ids = random_ids(num_tokens, top_k, num_experts, device)
+    kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
+    got, want = both_permutations(topk_ids, num_experts, **kwargs)
+    assert_permutation_equal(got, want)
+    check_permutation_invariants(got, topk_ids, first_expert=first_expert,
+                                 num_local_experts=num_local or num_experts - first_expert,
+                                 align=align)
+
+
+def test_permute_one_expert_across_many_blocks(device):
+    # 1200 pairs of one expert span 5 blocks of 256: the block scan must carry between them.
+    topk_ids = torch.full((300, 4), 3, dtype=torch.int32, device=device)
+    topk_ids[::7, 1] = 5
+    got, want = both_permutations(topk_ids, 8, align=16)
+    assert_permutation_equal(got, want)
+
+
+def test_permute_more_blocks_than_one_scan_step(device, seed):
+    # 33600 pairs = 132 blocks of 256 > SCAN_BLOCKS (128): pass 2 takes two steps down.
+    assert 4200 * 8 > triton_permute.BLOCK_PAIRS * triton_permute.SCAN_BLOCKS
+    topk_ids = random_ids(4200, 8, 8, device)
+    got, want = both_permutations(topk_ids, 8, first_expert=2, num_local_experts=4, align=4)
+    assert_permutation_equal(got, want)
+
+
+def test_permute_is_deterministic(device, seed):
+    topk_ids = random_ids(300, 8, 60, device)
+    first = triton_permute.permute_by_expert(topk_ids, 60, align=16)
+    for _ in range(2):
+        assert_permutation_equal(triton_permute.permute_by_expert(topk_ids, 60, align=16), first)
+
+
+@pytest.mark.parametrize("bad", [-1, 9])
+def test_permute_names_a_bad_id(device, bad):
+    topk_ids = torch.tensor([[0, 1], [bad, 2]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=f"expert id {bad} outside"):
+        triton_permute.permute_by_expert(topk_ids, 8)
+
+
+def test_permute_refuses_bad_inputs(device):
+    with pytest.raises(ValueError, match="topk_ids must be contiguous"):
+        triton_permute.permute_by_expert(
+            torch.zeros((4, 2), dtype=torch.int32, device=device).t(), 8)
+    with pytest.raises(ValueError, match="align=0"):
+        triton_permute.permute_by_expert(torch.zeros((4, 2), dtype=torch.int32, device=device),
+                                         8, align=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_rows
+# ---------------------------------------------------------------------------------------------
+
+def _table(num_tokens, width, dtype, device):
+    if dtype.is_floating_point:
+        return torch.randn(num_tokens, width, device=device).to(dtype)
+    return torch.randint(0, 256, (num_tokens, width), device=device).to(dtype)
+
+
+@pytest.mark.parametrize("dtype, width", [
+    (torch.bfloat16, 64),      # 128-byte rows: 4-byte words
+    (torch.float16, 3),        # 6-byte rows: 2-byte words
+    (torch.float32, 40),
+    (torch.uint8, 32),         # packed NVFP4 codes [T, H/2]
+    (torch.uint8, 7),          # odd byte width: 1-byte words
+])
+def test_gather_matches_oracle(device, seed, dtype, width):
+    topk_ids = random_ids(37, 4, 8, device)
+    perm = reference.permute_by_expert(topk_ids, 8, align=16)
+    x = _table(37, width, dtype, device)
+    got = triton_permute.gather_rows(x, perm.source_rows, top_k=4)
+    want = reference.gather_rows(x, perm.source_rows, top_k=4)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gather_with_scales_matches_oracle(device, seed):
+    # NVFP4: H=256 -> codes [T, 128] uint8, scales [T, 16] uint8
+    rows = torch.tensor([5, UNUSED, 0, 5, 299, UNUSED, 17], dtype=torch.int32, device=device)
+    codes = _table(300, 128, torch.uint8, device)
+    scales = _table(300, 16, torch.uint8, device)
+    got = triton_permute.gather_rows(codes, rows, scales=scales)
+    want = reference.gather_rows(codes, rows, scales=scales)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gather_without_tokens(device):
+    rows = torch.full((5,), UNUSED, dtype=torch.int32, device=device)
+    got = triton_permute.gather_rows(torch.empty((0, 8), device=device), rows)
+    assert torch.equal(got, torch.zeros((5, 8), device=device))
+
+
+def test_gather_refuses_non_contiguous(device):
+    x = torch.zeros((8, 4), device=device).t()
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        triton_permute.gather_rows(x, torch.zeros(2, dtype=torch.int32, device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# unpermute_and_reduce
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, hidden", [
+    (7, 4, 60, 0, None, 96),
+    (300, 8, 256, 64, 64, 64),      # a local range: many tokens own nothing -> zero rows
+    (255, 1, 8, 0, None, 40),
+])
+def test_unpermute_equals_oracle(device, seed, dtype, num_tokens, top_k, num_experts,
+                                 first_expert, num_local, hidden):
+    topk_ids = random_ids(num_tokens, top_k, num_experts, device)
+    perm = reference.permute_by_expert(topk_ids, num_experts, first_expert=first_expert,
+                                       num_local_experts=num_local, align=16)
+    expert_out = torch.randn(perm.source_rows.numel(), hidden, device=device).to(dtype)
+    weights = torch.rand(num_tokens, top_k, device=device)
+    got = triton_permute.unpermute_and_reduce(expert_out, perm, weights)
+    want = reference.unpermute_and_reduce(expert_out, perm, weights)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_unpermute_strided_weights_and_rounding_ties(device):
+    # w*x = 1 + 3*2^-8 is a bf16 tie: nearest even gives 1 + 2^-6 (truncation 1 + 2^-7).
+    topk_ids = torch.tensor([[0, 1], [1, 1], [2, 2]], dtype=torch.int32, device=device)
+    perm = reference.permute_by_expert(topk_ids, 3, num_local_experts=2)
+    expert_out = torch.ones((perm.source_rows.numel(), 16), dtype=torch.bfloat16, device=device)
+    weights = torch.tensor([[1 + 3 * 2**-8, 1 + 3 * 2**-8, 0.0],
+                            [0.0, 0.0, 5.0]], device=device).t()     # [3, 2] strides (1, 3)
+    got = triton_permute.unpermute_and_reduce(expert_out, perm, weights)
+    want = reference.unpermute_and_reduce(expert_out, perm, weights)
+    assert torch.equal(got, want)
+    # tokens 0 and 1: the tie term plus a zero-weight term; token 2 owns nothing
+    assert got[0, 0].item() == got[1, 0].item() == 1 + 2**-6
+    assert got[2].abs().sum().item() == 0
+
+
+def test_unpermute_refuses_mismatches(device):
+    perm = reference.permute_by_expert(torch.zeros((2, 2), dtype=torch.int32, device=device), 2)
+    with pytest.raises(ValueError, match="expert_out has 3 rows but the permutation has P=4"):
+        triton_permute.unpermute_and_reduce(torch.zeros((3, 8), device=device), perm,
+                                            torch.ones((2, 2), device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage switch (a2a.permute)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+def test_stage_functions_agree_with_the_oracle(device, seed, backend):
+    topk_ids = random_ids(40, 4, 16, device)
+    perm = a2a.permute.permute_by_expert(topk_ids, 16, first_expert=8, num_local_experts=8,
+                                         align=4, backend=backend)
+    want = reference.permute_by_expert(topk_ids, 16, first_expert=8, num_local_experts=8,
+                                       align=4)
+    assert_permutation_equal(perm, want)
+    x = torch.randn(40, 32, device=device).to(torch.bfloat16)
+    rows = a2a.permute.gather_rows(x, perm.source_rows, top_k=4, backend=backend)
+    assert torch.equal(rows, reference.gather_rows(x, want.source_rows, top_k=4))
+    weights = torch.rand(40, 4, device=device)
+    out = a2a.permute.unpermute_and_reduce(rows, perm, weights, backend=backend)
+    assert torch.equal(out, reference.unpermute_and_reduce(rows, want, weights))
+
+
+def test_stage_refuses_flashinfer_with_the_reason(device):
+    topk_ids = torch.zeros((2, 2), dtype=torch.int32, device=device)
+    with pytest.raises(BackendUnavailable, match="no standalone expert permutation"):
+        a2a.permute.permute_by_expert(topk_ids, 8, backend="flashinfer")
+    with pytest.raises(BackendUnavailable, match="no standalone expert permutation"):
+        a2a.permute.gather_rows(torch.zeros((2, 4), device=device), topk_ids[0],
+                                backend="flashinfer")
+
+
+def test_stage_names_a_non_tensor():
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor, got list"):
+        a2a.permute.permute_by_expert([[0, 1]], 8, backend="torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a GPU: the kernels still compile for an H200 (sm_90a), through ptxas
+# ---------------------------------------------------------------------------------------------
+
+# Compiles every kernel of kernels.permute for sm_90a at the launch parameters the launchers use,
+# with 16-divisible pointers and widths as on the GPU; prints one line per kernel.
+COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import permute as K
+
+def compile_one(fn, signature, constants, divisible, **options):
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert "st.global" in kernel.asm["ptx"]
+    print("compiled", fn.__name__, constants)
+
+i32 = "i32"
+compile_one(K._count_block_experts_kernel,
+    dict(topk_ids_ptr="*i32", block_counts_ptr="*i32", source_rows_ptr="*i32", num_pairs=i32,
+         num_blocks=i32, capacity=i32, first_expert=i32, num_local_experts=i32,
+         BLOCK_PAIRS="constexpr", EXPERT_BINS="constexpr"),
+    dict(BLOCK_PAIRS=K.BLOCK_PAIRS, EXPERT_BINS=512), [0, 1, 2], num_warps=4)
+compile_one(K._scan_blocks_kernel,
+    dict(block_counts_ptr="*i32", block_starts_ptr="*i32", expert_counts_ptr="*i32",
+         num_blocks=i32, num_local_experts=i32, SCAN_BLOCKS="constexpr",
+         EXPERT_CHUNK="constexpr"),
+    dict(SCAN_BLOCKS=K.SCAN_BLOCKS, EXPERT_CHUNK=K.EXPERT_CHUNK), [0, 1, 2], num_warps=4)
+compile_one(K._place_pairs_kernel,
+    dict(topk_ids_ptr="*i32", block_starts_ptr="*i32", expert_counts_ptr="*i32",
+         expert_offsets_ptr="*i32", source_rows_ptr="*i32", inverse_ptr="*i32", num_pairs=i32,
+         first_expert=i32, num_local_experts=i32, align=i32, BLOCK_PAIRS="constexpr",
+         EXPERT_CHUNK="constexpr"),
+    dict(BLOCK_PAIRS=K.BLOCK_PAIRS, EXPERT_CHUNK=K.EXPERT_CHUNK), [0, 1, 2, 3, 4, 5],
+    num_warps=K.PLACE_WARPS)
+compile_one(K._gather_rows_kernel,
+    dict(table_ptr="*i32", rows_ptr="*i32", out_ptr="*i32", num_out_rows=i32,
+         num_sources=i32, top_k=i32, row_words=i32, BLOCK_ROWS="constexpr",
+         BLOCK_WORDS="constexpr"),
+    dict(BLOCK_ROWS=8, BLOCK_WORDS=512), [0, 1, 2, 6], num_warps=4)
+for dtype in ("bf16", "fp16", "fp32"):
+    compile_one(K._unpermute_and_reduce_kernel,
+        dict(expert_out_ptr="*" + dtype, inverse_ptr="*i32", weights_ptr="*fp32",
+             out_ptr="*" + dtype, num_tokens=i32, num_rows=i32, hidden=i32,
+             weight_stride_token=i32, weight_stride_slot=i32, TOP_K="constexpr",
+             BLOCK_TOKENS="constexpr", BLOCK_COLS="constexpr"),
+        dict(TOP_K=8, BLOCK_TOKENS=2, BLOCK_COLS=1024), [0, 1, 2, 3, 6], num_warps=4,
+        enable_fp_fusion=False)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter does not run Triton's compiler; this does, down to ptxas, without a GPU,
+    so that a kernel only the GPU path would reject fails here first."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("compiled") == 7, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: production sizes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [4096, 8192])
+@pytest.mark.parametrize("first_expert, num_local, align", [(0, None, 1), (0, None, 128),
+                                                            (64, 32, 128), (0, 512, 16)])
+def test_permute_gpu_matches_oracle_and_repeats(device, seed, num_tokens, first_expert,
+                                                num_local, align):
+    num_experts = 512 if num_local == 512 else 256
+    topk_ids = random_ids(num_tokens, 8, num_experts, device)
+    kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
+    first = triton_permute.permute_by_expert(topk_ids, num_experts, **kwargs)
+    assert_permutation_equal(first, reference.permute_by_expert(topk_ids, num_experts, **kwargs))
+    for _ in range(100):
+        assert_permutation_equal(triton_permute.permute_by_expert(topk_ids, num_experts,
+                                                                  **kwargs), first)
+
+
+@pytest.mark.gpu
+def test_permute_gpu_skewed_routing(device):
+    # Every token to experts 0..7: 8192 pairs per expert, 32 blocks each.
+    topk_ids = torch.arange(8, dtype=torch.int32, device=device).repeat(8192, 1)
+    got, want = both_permutations(topk_ids, 256, align=128)
+    assert_permutation_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gather_and_unpermute_gpu_large(device, seed):
+    # T=8192, k=8, H=7168 bf16: 65536 permuted rows (plus padding), the speed-target size.
+    num_tokens, top_k, hidden = 8192, 8, 7168
+    topk_ids = random_ids(num_tokens, top_k, 256, device, padding=False)
+    perm = triton_permute.permute_by_expert(topk_ids, 256, align=128)
+    x = torch.randn(num_tokens, hidden, device=device).to(torch.bfloat16)
+    rows = triton_permute.gather_rows(x, perm.source_rows, top_k=top_k)
+    assert torch.equal(rows, reference.gather_rows(x, perm.source_rows, top_k=top_k))
+    weights = torch.rand(num_tokens, top_k, device=device)
+    out = triton_permute.unpermute_and_reduce(rows, perm, weights)
+    assert torch.equal(out, reference.unpermute_and_reduce(rows, perm, weights))
+    again = triton_permute.unpermute_and_reduce(rows, perm, weights)
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
