@@ -92,7 +92,8 @@ def _pack(score, index):
     score = tl.where(score == 0.0, 0.0, score)
     bits = score.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
-    low = (-index + ID_LIMIT).to(tl.int64)  # tensor first: constexpr - tensor fails in the interpreter
+    # Tensor first: ``constexpr - tensor`` fails in the interpreter.
+    low = (-index + ID_LIMIT).to(tl.int64)
     return (ordered.to(tl.int64) << 32) | low
 
 
