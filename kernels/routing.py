@@ -1,10 +1,10 @@
 """Top-k expert routing in Triton: router logits [T, E] -> topk_ids [T, k], topk_weights [T, k].
 
 Same name, arguments and results as ``kernels.reference.route_topk`` (the oracle; its comment
-block defines every method). One program routes ``BLOCK_TOKENS`` tokens and holds their whole
-logit rows in registers, as a ``[BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD]`` tile: expert
-``g * experts_per_group + j`` sits at ``[:, g, j]`` (without groups: one group of all E), with
-each axis padded to a power of two and the padding masked out.
+block defines every method). One program (one warp) routes ``BLOCK_TOKENS`` tokens and holds
+their whole logit rows in registers as a ``[BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD]`` tile:
+expert ``g * experts_per_group + j`` sits in column ``g * GROUP_PAD + j`` (without groups: one
+group of all E), each part padded to a power of two and the padding masked out.
 
 Selection is k rounds of one ``tl.max`` per row over packed int64 keys::
 
@@ -43,11 +43,15 @@ ID_LIMIT = tl.constexpr(65535)
 # below a warp then holds one row of 16 keys per thread. Larger E needs a chunked selection.
 MAX_EXPERTS = 512
 
-# Elements (tokens x padded experts) one program holds: 2048 = 16 per thread at 4 warps, which
-# keeps the int64 keys and fp32 scores in registers without spilling and gives a grid of
-# T*E_pad/2048 programs (1024 for T=8192, E=256: several waves of 4-warp programs on 132 SMs).
-ELEMENTS_PER_PROGRAM = 2048
-NUM_WARPS = 4
+# One warp per program, so that every per-row reduction (k rounds of them) stays inside a
+# warp: with 4 warps Triton's default layout splits a 256-wide fp32 row over 2 warps (a warp's
+# 32 lanes x 4-element vectors cover 128 columns) and every round then goes through shared
+# memory and a barrier (seen in the SM90 SASS: 41 barriers instead of 1).
+NUM_WARPS = 1
+# Elements (tokens x padded experts) one program holds: 512 = 16 per lane, i.e. 16 int64 keys
+# plus their fp32 scores (64 registers in the SM90 build for DeepSeek-V3), leaving room for
+# many resident warps per SM; T=8192, E=256 gives 4096 one-warp programs. Not yet swept on H200.
+ELEMENTS_PER_PROGRAM = 512
 
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
 SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
@@ -112,44 +116,52 @@ def _route_topk_kernel(
     row_ok = rows < num_tokens
     # Rows past the end re-read the last token (never stored): no -inf-only rows, no NaN.
     load_rows = tl.minimum(rows, num_tokens - 1).to(tl.int64)
-    groups = tl.arange(0, GROUPS_PAD)
-    within = tl.arange(0, GROUP_PAD)
-    expert = groups[:, None] * EXPERTS_PER_GROUP + within[None, :]             # [G, P]
-    expert_ok = (groups[:, None] < NUM_GROUPS) & (within[None, :] < EXPERTS_PER_GROUP)
+    # Column c of the tile is slot c % GROUP_PAD of group c // GROUP_PAD (powers of two: the
+    # [B, GROUPS_PAD, GROUP_PAD] view below is a free reshape). A flat 2-D tile lets every warp
+    # own whole rows, so the per-row reductions stay inside a warp.
+    columns = tl.arange(0, GROUPS_PAD * GROUP_PAD)
+    group_of = columns // GROUP_PAD
+    slot_of = columns % GROUP_PAD
+    expert = group_of * EXPERTS_PER_GROUP + slot_of                              # [C]
+    expert_ok = (group_of < NUM_GROUPS) & (slot_of < EXPERTS_PER_GROUP)
 
     row_base = logits_ptr + load_rows * stride_token                            # [B]
-    x = tl.load(row_base[:, None, None] + expert[None, :, :] * stride_expert,
-                mask=expert_ok[None, :, :], other=float("-inf")).to(tl.float32)  # [B, G, P]
+    x = tl.load(row_base[:, None] + expert[None, :] * stride_expert,
+                mask=expert_ok[None, :], other=float("-inf")).to(tl.float32)     # [B, C]
 
     if SELECT_BIASED_SIGMOID:
         bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-        score = _sigmoid(x, PRECISE_MATH) + bias[None, :, :]
+        score = _sigmoid(x, PRECISE_MATH) + bias[None, :]
     else:
         score = x
-    score = tl.where(expert_ok[None, :, :], score, float("-inf"))
-    keys = tl.where(expert_ok[None, :, :], _pack(score, expert[None, :, :]), KEY_NONE)
+    score = tl.where(expert_ok[None, :], score, float("-inf"))
+    keys = tl.where(expert_ok[None, :], _pack(score, expert[None, :]), KEY_NONE)
 
     if TOPK_GROUPS < NUM_GROUPS:
         # Group score = best + second best biased score of the group.
-        best_key = tl.max(keys, axis=2)                                          # [B, G]
-        first = tl.max(score, axis=2)
-        second = tl.max(tl.where(keys == best_key[:, :, None], float("-inf"), score), axis=2)
-        group_keys = tl.where((groups < NUM_GROUPS)[None, :],
-                              _pack(first + second, groups[None, :]), KEY_NONE)
+        keys3 = tl.reshape(keys, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        score3 = tl.reshape(score, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        best_key = tl.max(keys3, axis=2)                                         # [B, G]
+        first = tl.max(score3, axis=2)
+        second = tl.max(tl.where(keys3 == best_key[:, :, None], float("-inf"), score3), axis=2)
+        groups = tl.arange(0, GROUPS_PAD)[None, :]
+        group_keys = tl.where(groups < NUM_GROUPS, _pack(first + second, groups), KEY_NONE)
         kept = tl.zeros([BLOCK_TOKENS, GROUPS_PAD], dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUPS):
             best_group = tl.max(group_keys, axis=1)
             hit = group_keys == best_group[:, None]
             kept = kept | hit
             group_keys = tl.where(hit, KEY_NONE, group_keys)
-        keys = tl.where(kept[:, :, None], keys, KEY_NONE)
+        kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        kept_columns = tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD])
+        keys = tl.where(kept_columns, keys, KEY_NONE)
 
     # k rounds of argmax; ids[:, j] = the j-th best expert of each row.
     slots = tl.arange(0, K_PAD)
     ids = tl.zeros([BLOCK_TOKENS, K_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(tl.max(keys, axis=2), axis=1)                              # [B]
-        keys = tl.where(keys == best[:, None, None], KEY_NONE, keys)
+        best = tl.max(keys, axis=1)                                              # [B]
+        keys = tl.where(keys == best[:, None], KEY_NONE, keys)
         chosen = -(best & 0xFFFF).to(tl.int32) + ID_LIMIT
         ids = tl.where(slots[None, :] == j, chosen[:, None], ids)
 
@@ -157,8 +169,8 @@ def _route_topk_kernel(
     chosen_x = tl.load(row_base[:, None] + ids * stride_expert, mask=slot_ok,
                        other=float("-inf")).to(tl.float32)                       # [B, K]
     if WEIGHTS == 0:  # SOFTMAX_ALL
-        row_max = tl.max(tl.max(x, axis=2), axis=1)
-        total = tl.sum(tl.sum(_exp(x - row_max[:, None, None], PRECISE_MATH), axis=2), axis=1)
+        row_max = tl.max(x, axis=1)
+        total = tl.sum(_exp(x - row_max[:, None], PRECISE_MATH), axis=1)
         weights = _exp(chosen_x - row_max[:, None], PRECISE_MATH) / total[:, None]
     elif WEIGHTS == 1:  # SOFTMAX_CHOSEN
         row_max = tl.max(chosen_x, axis=1)
