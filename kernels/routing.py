@@ -1,0 +1,249 @@
+"""Top-k expert routing in Triton: router logits [T, E] -> topk_ids [T, k], topk_weights [T, k].
+
+Same name, arguments and results as ``kernels.reference.route_topk`` (the oracle; its comment
+block defines every method). One program (one warp) routes ``BLOCK_TOKENS`` tokens and holds
+their whole logit rows in registers as a ``[BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD]`` tile:
+expert ``g * experts_per_group + j`` sits in column ``g * GROUP_PAD + j`` (without groups: one
+group of all E), each part padded to a power of two and the padding masked out.
+
+Selection is k rounds of one ``tl.max`` per row over packed int64 keys::
+
+    key = (order-preserving int32 of the fp32 score) << 32 | (ID_LIMIT - expert id)
+
+so the largest key is the best score, and among equal scores the smaller id (its low part is
+larger): ties are broken in the same single reduction, deterministically. The chosen key is
+then replaced by ``KEY_NONE`` (keys are unique, so exactly one entry goes). Worked example,
+scores [1.0, 3.0, 3.0] (ID_LIMIT - id = 65535, 65534, 65533): keys (k(1), 65535),
+(k(3), 65534), (k(3), 65533); round 1 takes (k(3), 65534) = id 1, round 2 (k(3), 65533) = id 2.
+
+DeepSeek-V3 first scores each group (top-2 sum of its biased scores: the max, then the max
+with the argmax key removed), keeps ``TOPK_GROUPS`` groups by the same packed-key rounds over
+group indices, and sets the keys of the dropped groups to ``KEY_NONE``.
+
+The weights are formed after selection from the chosen logits, re-read from memory (a few
+cached loads per row) rather than carried through the selection rounds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from kernels.reference import check_routing_args
+
+# Low 16 bits of a key hold ID_LIMIT - id: larger for smaller ids, so ties go to the smaller id.
+# 65535 bounds the expert (and group) ids we can pack; MAX_EXPERTS is far below it.
+ID_LIMIT = tl.constexpr(65535)
+
+# 512: every row is held in registers as int64 keys plus fp32 scores; with the launch rule
+# below a warp then holds one row of 16 keys per thread. Larger E needs a chunked selection.
+MAX_EXPERTS = 512
+
+# One warp per program, so that every per-row reduction (k rounds of them) stays inside a
+# warp: with 4 warps Triton's default layout splits a 256-wide fp32 row over 2 warps (a warp's
+# 32 lanes x 4-element vectors cover 128 columns) and every round then goes through shared
+# memory and a barrier (seen in the SM90 SASS: 41 barriers instead of 1).
+NUM_WARPS = 1
+# Elements (tokens x padded experts) one program holds: 512 = 16 per lane, i.e. 16 int64 keys
+# plus their fp32 scores (64 registers in the SM90 build for DeepSeek-V3), leaving room for
+# many resident warps per SM; T=8192, E=256 gives 4096 one-warp programs. Not yet swept on H200.
+ELEMENTS_PER_PROGRAM = 512
+
+# How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
+SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
+SOFTMAX_CHOSEN = 1   # softmax over the k chosen logits
+SIGMOID = 2          # sigmoid of each chosen logit
+SIGMOID_RENORM = 3   # sigmoid of each chosen logit / their sum
+
+# method -> (selection on sigmoid(logit) + bias?, weights)
+_METHODS = {
+    "softmax_topk": (False, SOFTMAX_ALL),
+    "softmax_topk_renorm": (False, SOFTMAX_CHOSEN),
+    "topk_softmax": (False, SOFTMAX_CHOSEN),
+    "sigmoid_topk": (False, SIGMOID),
+    "sigmoid_topk_renorm": (False, SIGMOID_RENORM),
+    "llama4": (False, SIGMOID),
+    "deepseek_v3": (True, SIGMOID_RENORM),
+}
+
+
+@triton.jit
+def _exp(x, PRECISE_MATH: tl.constexpr):
+    # libdevice expf is the expf torch's CUDA kernels call, so exp (and the sigmoid built on
+    # it) rounds as the oracle does on the same GPU. The interpreter has no libdevice.
+    if PRECISE_MATH:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _sigmoid(x, PRECISE_MATH: tl.constexpr):
+    # 1 / (1 + exp(-x)) with an IEEE division (Triton's "/" is approximate for fp32), the
+    # formula of the oracle's _sigmoid.
+    denominator = 1.0 + _exp(-x, PRECISE_MATH)
+    return tl.math.div_rn(tl.zeros_like(denominator) + 1.0, denominator)
+
+
+@triton.jit
+def _pack(score, index):
+    """int64 keys whose signed order is (score, then smaller index) -- see the module doc.
+    -0.0 is first made +0.0 so that the two zeros tie, as they compare in torch."""
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    # Tensor first: ``constexpr - tensor`` fails in the interpreter.
+    low = (-index + ID_LIMIT).to(tl.int64)
+    return (ordered.to(tl.int64) << 32) | low
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+    num_tokens, stride_token, stride_expert, routed_scaling,
+    EXPERTS_PER_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    SELECT_BIASED_SIGMOID: tl.constexpr, WEIGHTS: tl.constexpr, PRECISE_MATH: tl.constexpr,
+):
+    KEY_NONE: tl.constexpr = -(2**63)  # below every packed key: removed / padding / dropped
+
+    rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    row_ok = rows < num_tokens
+    # Rows past the end re-read the last token (never stored): no -inf-only rows, no NaN.
+    load_rows = tl.minimum(rows, num_tokens - 1).to(tl.int64)
+    # Column c of the tile is slot c % GROUP_PAD of group c // GROUP_PAD (powers of two: the
+    # [B, GROUPS_PAD, GROUP_PAD] view below is a free reshape). A flat 2-D tile lets every warp
+    # own whole rows, so the per-row reductions stay inside a warp.
+    columns = tl.arange(0, GROUPS_PAD * GROUP_PAD)
+    group_of = columns // GROUP_PAD
+    slot_of = columns % GROUP_PAD
+    expert = group_of * EXPERTS_PER_GROUP + slot_of                              # [C]
+    expert_ok = (group_of < NUM_GROUPS) & (slot_of < EXPERTS_PER_GROUP)
+
+    row_base = logits_ptr + load_rows * stride_token                            # [B]
+    x = tl.load(row_base[:, None] + expert[None, :] * stride_expert,
+                mask=expert_ok[None, :], other=float("-inf")).to(tl.float32)     # [B, C]
+
+    if SELECT_BIASED_SIGMOID:
+        bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
+        score = _sigmoid(x, PRECISE_MATH) + bias[None, :]
+    else:
+        score = x
+    score = tl.where(expert_ok[None, :], score, float("-inf"))
+    keys = tl.where(expert_ok[None, :], _pack(score, expert[None, :]), KEY_NONE)
+
+    if TOPK_GROUPS < NUM_GROUPS:
+        # Group score = best + second best biased score of the group.
+        keys3 = tl.reshape(keys, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        score3 = tl.reshape(score, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        best_key = tl.max(keys3, axis=2)                                         # [B, G]
+        first = tl.max(score3, axis=2)
+        second = tl.max(tl.where(keys3 == best_key[:, :, None], float("-inf"), score3), axis=2)
+        groups = tl.arange(0, GROUPS_PAD)[None, :]
+        group_keys = tl.where(groups < NUM_GROUPS, _pack(first + second, groups), KEY_NONE)
+        kept = tl.zeros([BLOCK_TOKENS, GROUPS_PAD], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUPS):
+            best_group = tl.max(group_keys, axis=1)
+            hit = group_keys == best_group[:, None]
+            kept = kept | hit
+            group_keys = tl.where(hit, KEY_NONE, group_keys)
+        kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        kept_columns = tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD])
+        keys = tl.where(kept_columns, keys, KEY_NONE)
+
+    # k rounds of argmax; ids[:, j] = the j-th best expert of each row.
+    slots = tl.arange(0, K_PAD)
+    ids = tl.zeros([BLOCK_TOKENS, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=1)                                              # [B]
+        keys = tl.where(keys == best[:, None], KEY_NONE, keys)
+        chosen = -(best & 0xFFFF).to(tl.int32) + ID_LIMIT
+        ids = tl.where(slots[None, :] == j, chosen[:, None], ids)
+
+    slot_ok = slots[None, :] < TOP_K                                             # [1, K]
+    chosen_x = tl.load(row_base[:, None] + ids * stride_expert, mask=slot_ok,
+                       other=float("-inf")).to(tl.float32)                       # [B, K]
+    if WEIGHTS == 0:  # SOFTMAX_ALL
+        row_max = tl.max(x, axis=1)
+        total = tl.sum(_exp(x - row_max[:, None], PRECISE_MATH), axis=1)
+        weights = _exp(chosen_x - row_max[:, None], PRECISE_MATH) / total[:, None]
+    elif WEIGHTS == 1:  # SOFTMAX_CHOSEN
+        row_max = tl.max(chosen_x, axis=1)
+        numerator = tl.where(slot_ok, _exp(chosen_x - row_max[:, None], PRECISE_MATH), 0.0)
+        weights = numerator / tl.sum(numerator, axis=1)[:, None]
+    elif WEIGHTS == 2:  # SIGMOID
+        weights = _sigmoid(chosen_x, PRECISE_MATH)
+    else:  # SIGMOID_RENORM
+        numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH), 0.0)
+        weights = numerator / tl.sum(numerator, axis=1)[:, None]
+    weights = weights * routed_scaling
+
+    out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    out_ok = row_ok[:, None] & slot_ok
+    tl.store(ids_ptr + out, ids, mask=out_ok)
+    tl.store(weights_ptr + out, weights, mask=out_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_groups=None,
+               topk_groups=None, routed_scaling: float = 1.0):
+    """Top-k expert routing (Triton). Same contract as ``kernels.reference.route_topk``.
+
+    Args:
+        logits: [T, E] float32, bfloat16 or float16, the router logits; E <= 512; any strides.
+        top_k: k, experts per token, 1 <= k <= min(E, 32).
+        method: one of ``kernels.reference.ROUTING_METHODS``.
+        bias: [E] float32, DeepSeek-V3's selection bias; required for ``deepseek_v3`` only.
+        num_groups: DeepSeek-V3 expert groups (divides E); default 1.
+        topk_groups: DeepSeek-V3 groups kept per token; default ``num_groups`` (all).
+        routed_scaling: factor applied to every weight.
+
+    Returns:
+        topk_ids: [T, k] int32, expert ids in descending selection score, ties to the smaller
+            id (identical to the oracle's).
+        topk_weights: [T, k] float32, the weight of each chosen expert.
+    """
+    num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
+                                                 topk_groups, routed_scaling)
+    num_tokens, num_experts = logits.shape
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"logits have {num_experts} experts; the Triton routing kernel holds a "
+                         f"row in registers and takes E <= {MAX_EXPERTS} (use backend='torch')")
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    if num_tokens == 0:
+        return ids, weights
+    select_biased, weight_rule = _METHODS[method]
+    if bias is None:
+        bias = weights  # never read (SELECT_BIASED_SIGMOID is off); any pointer will do
+    else:
+        bias = bias.contiguous()
+    # Only DeepSeek-V3 with dropped groups needs the group axis; otherwise one group of all E.
+    grouped = topk_groups < num_groups
+    groups = num_groups if grouped else 1
+    experts_per_group = num_experts // groups
+    groups_pad = triton.next_power_of_2(groups)
+    group_pad = triton.next_power_of_2(experts_per_group)
+    block_tokens = max(1, min(ELEMENTS_PER_PROGRAM // (groups_pad * group_pad),
+                              triton.next_power_of_2(num_tokens)))
+    grid = (triton.cdiv(num_tokens, block_tokens),)
+    _route_topk_kernel[grid](
+        logits, bias, ids, weights,
+        num_tokens, logits.stride(0), logits.stride(1), float(routed_scaling),
+        EXPERTS_PER_GROUP=experts_per_group, NUM_GROUPS=groups,
+        TOPK_GROUPS=topk_groups if grouped else 1,
+        GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=block_tokens,
+        SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
+        PRECISE_MATH=not _interpreting(),
+        num_warps=NUM_WARPS,
+    )
+    return ids, weights

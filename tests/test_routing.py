@@ -1,0 +1,313 @@
+"""Routing: the Triton kernel and the public stage function against the torch oracle, and
+FlashInfer's fused_topk_deepseek against both on a GPU.
+
+Ids are compared exactly (every method, including rows full of exact logit ties and DeepSeek-V3
+group ties); weights with TOLERANCES[float32]. On CPU the kernel runs in Triton's interpreter,
+so the parametrization is a hand-picked list covering each axis (T, E, k, dtype, method) rather
+than the cross product.
+"""
+
+import pytest
+import torch
+
+from a2a.backends import BackendUnavailable
+from a2a.routing import _check_flashinfer_limits, _route_topk_flashinfer
+from a2a.routing import route_topk as route_topk_stage
+from kernels import reference, routing
+from kernels.reference import ROUTING_METHODS
+from kernels.routing import MAX_EXPERTS
+from kernels.routing import route_topk as route_topk_triton
+from tests.support import TOLERANCES, assert_close
+
+FP32 = TOLERANCES[torch.float32]
+
+
+def make_logits(num_tokens, num_experts, dtype, device, seed=0):
+    """Router logits [T, E]: even rows continuous, odd rows on a grid of 0.5 (many exact ties
+    inside a row, also across the k-th / (k+1)-th boundary)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, num_experts, generator=gen)
+    x[1::2] = (x[1::2] * 2).round() / 2
+    return x.to(dtype).to(device)
+
+
+def make_bias(num_experts, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_experts, generator=gen) * 0.05).to(device)
+
+
+def routing_kwargs(method, num_experts, device, groups=None):
+    if method != "deepseek_v3":
+        return {}
+    num_groups, topk_groups = groups or (None, None)
+    return dict(bias=make_bias(num_experts, device), num_groups=num_groups,
+                topk_groups=topk_groups, routed_scaling=2.5)
+
+
+def check_against_oracle(logits, top_k, method, run=route_topk_triton, run_kwargs=None,
+                         **kwargs):
+    ids, weights = run(logits, top_k, method, **kwargs, **(run_kwargs or {}))
+    want_ids, want_weights = reference.route_topk(logits, top_k, method, **kwargs)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.shape == weights.shape == (logits.shape[0], top_k)
+    assert ids.device == logits.device and weights.device == logits.device
+    mismatched = (ids != want_ids).any(dim=1).nonzero().flatten().tolist()
+    first = mismatched[:1]
+    assert not mismatched, (f"{len(mismatched)} rows differ, first {mismatched[:5]}: "
+                            f"{ids[first].tolist()} vs {want_ids[first].tolist()}")
+    assert_close(weights, want_weights)
+    return ids, weights
+
+
+def check_invariants(ids, num_experts):
+    """Every row holds k distinct ids in [0, E)."""
+    if ids.numel() == 0:
+        return
+    assert int(ids.min()) >= 0 and int(ids.max()) < num_experts
+    ordered = ids.sort(dim=1).values
+    assert (ordered[:, 1:] != ordered[:, :-1]).all()
+
+
+# (method, T, E, k, dtype, (num_groups, topk_groups)): each T in 0, 1, 7, 255, 300, 1023, each
+# E in 8, 60, 256, 384, each k in 1, 4, 8, both dtypes, every method; DeepSeek-V3 with and
+# without dropped groups, group sizes that are not powers of two (60 / 5 = 12, 384 / 8 = 48).
+CASES = [
+    ("softmax_topk", 7, 8, 1, torch.float32, None),
+    ("softmax_topk", 1023, 60, 4, torch.bfloat16, None),
+    ("softmax_topk_renorm", 300, 60, 4, torch.bfloat16, None),
+    ("softmax_topk_renorm", 1, 8, 8, torch.float32, None),
+    ("topk_softmax", 255, 256, 8, torch.float32, None),
+    ("sigmoid_topk", 1, 384, 8, torch.bfloat16, None),
+    ("sigmoid_topk_renorm", 300, 8, 4, torch.float32, None),
+    ("llama4", 255, 60, 1, torch.bfloat16, None),
+    ("deepseek_v3", 300, 256, 8, torch.float32, (8, 4)),
+    ("deepseek_v3", 7, 60, 4, torch.bfloat16, (5, 2)),
+    ("deepseek_v3", 255, 384, 8, torch.bfloat16, (8, 3)),
+    ("deepseek_v3", 7, 8, 8, torch.float32, None),
+    ("deepseek_v3", 0, 256, 8, torch.float32, (8, 4)),
+]
+
+
+@pytest.mark.parametrize("method, num_tokens, num_experts, top_k, dtype, groups", CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_triton_matches_oracle(device, method, num_tokens, num_experts, top_k, dtype, groups):
+    logits = make_logits(num_tokens, num_experts, dtype, device)
+    ids, _ = check_against_oracle(logits, top_k, method,
+                                  **routing_kwargs(method, num_experts, device, groups))
+    check_invariants(ids, num_experts)
+
+
+def test_the_tie_rows_really_tie(device):
+    """The odd rows of make_logits hold ties at the k-th/(k+1)-th boundary, so the tests above
+    exercise the tie rule (not only distinct scores)."""
+    logits = make_logits(255, 60, torch.float32, device)
+    top = logits.sort(dim=1, descending=True).values
+    assert (top[1::2, 3] == top[1::2, 4]).float().mean() > 0.2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_v3_group_ties_keep_the_smaller_groups(device, dtype):
+    """Every group holds a permutation of the same values (and the bias is 0), so every row
+    ties all its group scores exactly: the kept groups must be 0 .. topk_groups-1."""
+    num_tokens, num_groups, per_group, topk_groups, top_k = 37, 8, 16, 3, 8
+    gen = torch.Generator().manual_seed(3)
+    values = (torch.randn(num_tokens, per_group, generator=gen) * 2).round() / 2
+    order = torch.stack([torch.randperm(per_group, generator=gen)
+                         for _ in range(num_tokens * num_groups)]).view(num_tokens, num_groups, -1)
+    logits = values[:, None, :].expand(-1, num_groups, -1).gather(2, order)
+    logits = logits.reshape(num_tokens, -1).to(dtype).to(device)
+    bias = torch.zeros(num_groups * per_group, device=device)
+    ids, _ = check_against_oracle(logits, top_k, "deepseek_v3", bias=bias,
+                                  num_groups=num_groups, topk_groups=topk_groups)
+    assert int(ids.max()) < topk_groups * per_group
+
+
+def test_strided_logits(device):
+    wide = make_logits(64, 120, torch.float32, device)
+    logits = wide[:, ::2]  # stride (120, 2)
+    check_against_oracle(logits, 4, "softmax_topk")
+    check_against_oracle(wide.t(), 4, "sigmoid_topk")  # [120, 64], stride (1, 120)
+
+
+def test_negative_zero_ties_positive_zero(device):
+    logits = torch.tensor([[-0.0, 0.0, -1.0, 0.0, -0.0, -3.0]] * 3, device=device)
+    ids, _ = check_against_oracle(logits, 4, "topk_softmax")
+    assert ids[0].tolist() == [0, 1, 3, 4]
+
+
+@pytest.mark.parametrize("backend, module", [("torch", reference), ("triton", routing)])
+def test_stage_function_dispatches(device, monkeypatch, backend, module):
+    calls = []
+    face = module.route_topk
+
+    def spy(*args, **kwargs):
+        calls.append(backend)
+        return face(*args, **kwargs)
+
+    monkeypatch.setattr(module, "route_topk", spy)
+    logits = make_logits(7, 60, torch.bfloat16, device)
+    check_against_oracle(logits, 4, "deepseek_v3", run=route_topk_stage,
+                         run_kwargs=dict(backend=backend),
+                         **routing_kwargs("deepseek_v3", 60, device, (5, 2)))
+    assert calls[0] == backend
+
+
+def test_stage_function_refuses_flashinfer_on_cpu():
+    logits = torch.zeros(4, 8)
+    with pytest.raises(BackendUnavailable, match="CUDA tensor"):
+        route_topk_stage(logits, 2, "deepseek_v3", bias=torch.zeros(8), backend="flashinfer")
+
+
+def test_flashinfer_adapter_wraps_deepseek_v3_only():
+    with pytest.raises(NotImplementedError, match="wraps only fused_topk_deepseek"):
+        _route_topk_flashinfer(torch.zeros(4, 8), 2, "softmax_topk")
+
+
+@pytest.mark.parametrize("args, message", [
+    ((256, 9, 8, 4), "top_k <= 8"),
+    ((512, 8, 1, 1), "E <= 384 without groups"),
+    ((384, 8, 8, 4), "E=384 <= 256"),
+    ((256, 8, 4, 2), "E/num_groups=64 <= 32"),
+    ((256, 8, 16, 4), "num_groups=16 <= 8"),
+    ((256, 8, 8, 5), "topk_groups=5 <= 4"),
+])
+def test_flashinfer_limits_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        _check_flashinfer_limits(*args)
+    _check_flashinfer_limits(256, 8, 8, 4)  # DeepSeek-V3's own shape passes
+    _check_flashinfer_limits(384, 8, 1, 1)  # Kimi-K2's
+
+
+@pytest.mark.parametrize("run", [route_topk_triton, route_topk_stage])
+def test_errors_are_the_oracles(device, run):
+    logits = torch.zeros(4, 8, device=device)
+    with pytest.raises(ValueError, match="method='top1' is not one of"):
+        run(logits, 2, "top1")
+    with pytest.raises(ValueError, match="top_k=9 must be <= the number of experts"):
+        run(logits, 9, "softmax_topk")
+    with pytest.raises(ValueError, match="needs bias"):
+        run(logits, 2, "deepseek_v3")
+
+
+def test_triton_refuses_more_experts_than_a_row_in_registers(device):
+    logits = torch.zeros(2, MAX_EXPERTS + 1, device=device)
+    with pytest.raises(ValueError, match=f"E <= {MAX_EXPERTS} \\(use backend='torch'\\)"):
+        route_topk_triton(logits, 2, "softmax_topk")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: large T, determinism, FlashInfer
+# ---------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    ("softmax_topk", 8192, 128, 4, torch.bfloat16, None),
+    ("softmax_topk_renorm", 4096, 60, 8, torch.float32, None),
+    ("topk_softmax", 4096, 384, 8, torch.bfloat16, None),
+    ("sigmoid_topk", 4096, 160, 4, torch.float32, None),
+    ("sigmoid_topk_renorm", 4096, 512, 32, torch.float32, None),
+    ("llama4", 8192, 16, 1, torch.bfloat16, None),
+    ("deepseek_v3", 8192, 256, 8, torch.float32, (8, 4)),
+    ("deepseek_v3", 8192, 256, 8, torch.bfloat16, (8, 4)),
+    ("deepseek_v3", 4096, 384, 8, torch.float32, (1, 1)),
+    ("deepseek_v3", 4096, 160, 6, torch.float32, (8, 3)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, num_tokens, num_experts, top_k, dtype, groups", GPU_CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_triton_matches_oracle_at_scale(device, method, num_tokens, num_experts, top_k, dtype,
+                                        groups):
+    """The oracle runs on the same GPU: its sigmoid (torch.exp, IEEE division) and the kernel's
+    (libdevice expf, div_rn) round identically, so even DeepSeek-V3 ids match exactly."""
+    logits = make_logits(num_tokens, num_experts, dtype, device)
+    ids, _ = check_against_oracle(logits, top_k, method,
+                                  **routing_kwargs(method, num_experts, device, groups))
+    check_invariants(ids, num_experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, groups, num_experts, top_k", [
+    ("deepseek_v3", (8, 4), 256, 8), ("softmax_topk", None, 128, 4)])
+def test_triton_is_bit_identical_over_100_runs(device, method, groups, num_experts, top_k):
+    logits = make_logits(8192, num_experts, torch.bfloat16, device)
+    kwargs = routing_kwargs(method, num_experts, device, groups)
+    first_ids, first_weights = route_topk_triton(logits, top_k, method, **kwargs)
+    for _ in range(100):
+        ids, weights = route_topk_triton(logits, top_k, method, **kwargs)
+        assert torch.equal(ids, first_ids)
+        assert torch.equal(weights.view(torch.int32), first_weights.view(torch.int32))
+
+
+def _flashinfer_routing_or_skip(device):
+    pytest.importorskip("flashinfer", reason="FlashInfer is not installed")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        pytest.skip(f"fused_topk_deepseek needs SM89+, this GPU is SM{major}{minor}")
+
+
+# FlashInfer's sigmoid is 0.5 * tanh(0.5 x) + 0.5, a few ulp (ulp(1.0) = 1.2e-7) from our
+# 1 / (1 + exp(-x)). A row may therefore pick differently only where two candidates (the k-th
+# and (k+1)-th biased scores inside the kept groups, or the topk_groups-th and next group
+# scores) lie within NEAR_TIE of each other; such rows must stay rare (MAX_NEAR_TIE_ROWS).
+NEAR_TIE = 1e-5
+MAX_NEAR_TIE_ROWS = 0.001
+
+
+def _near_ties(logits, bias, top_k, num_groups, topk_groups):
+    """Two [T] masks: rows with a near-tie at a selection boundary (the k-th vs (k+1)-th biased
+    score inside the kept groups, or the topk_groups-th vs next group score), where the chosen
+    set may differ; and rows with a near-tie anywhere among the k+1 best, where the order
+    inside the set may differ too."""
+    biased = torch.sigmoid(logits.float()) + bias
+    num_tokens, num_experts = biased.shape
+    boundary = torch.zeros(num_tokens, dtype=torch.bool, device=biased.device)
+    if topk_groups < num_groups:
+        group_scores = biased.view(num_tokens, num_groups, -1).topk(2, dim=2).values.sum(dim=2)
+        ranked = group_scores.sort(dim=1, descending=True).values
+        boundary |= (ranked[:, topk_groups - 1] - ranked[:, topk_groups]).abs() < NEAR_TIE
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(topk_groups, dim=1).indices, True)
+        biased = biased.masked_fill(~kept.repeat_interleave(num_experts // num_groups, 1),
+                                    float("-inf"))
+    ranked = biased.sort(dim=1, descending=True).values[:, :top_k + 1]
+    gaps = (ranked[:, :-1] - ranked[:, 1:]).abs() < NEAR_TIE
+    boundary |= gaps[:, top_k - 1]
+    return boundary, boundary | gaps.any(dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, groups, dtype", [
+    (8192, 256, 8, (8, 4), torch.bfloat16),   # DeepSeek-V3
+    (8192, 256, 8, (8, 4), torch.float32),
+    (4096, 384, 8, (1, 1), torch.bfloat16),   # Kimi-K2 (no groups)
+    (4096, 128, 4, (4, 2), torch.float32),
+    (1, 256, 8, (8, 4), torch.float32),
+    (0, 256, 8, (8, 4), torch.float32),
+])
+def test_flashinfer_deepseek_matches_triton_except_near_ties(device, num_tokens, num_experts,
+                                                             top_k, groups, dtype):
+    _flashinfer_routing_or_skip(device)
+    logits = make_logits(num_tokens, num_experts, dtype, device)
+    bias = make_bias(num_experts, device)
+    num_groups, topk_groups = groups
+    kwargs = dict(bias=bias, num_groups=num_groups, topk_groups=topk_groups, routed_scaling=2.5)
+    fi_ids, fi_weights = route_topk_stage(logits, top_k, "deepseek_v3", backend="flashinfer",
+                                          **kwargs)
+    ids, weights = route_topk_triton(logits, top_k, "deepseek_v3", **kwargs)
+    assert fi_ids.dtype == torch.int32 and fi_weights.dtype == torch.float32
+    assert fi_ids.shape == (num_tokens, top_k)
+    check_invariants(fi_ids, num_experts)
+    # Compare as sets: order inside the k may swap on a near-tie too.
+    fi_sorted, fi_order = fi_ids.sort(dim=1)
+    our_sorted, our_order = ids.sort(dim=1)
+    differ = (fi_sorted != our_sorted).any(dim=1)
+    near, near_inside = _near_ties(logits, bias, top_k, num_groups, topk_groups)
+    unexplained = (differ & ~near).nonzero().flatten().tolist()
+    assert not unexplained, f"rows {unexplained[:5]} differ without a near-tie"
+    assert int(differ.sum()) <= MAX_NEAR_TIE_ROWS * max(num_tokens, 1)
+    same = ~differ
+    assert_close(fi_weights.gather(1, fi_order)[same], weights.gather(1, our_order)[same])
+    # Where no near-tie exists among the k+1 best, the order agrees too (best first).
+    exact = same & ~near_inside
+    assert torch.equal(fi_ids[exact], ids[exact])
