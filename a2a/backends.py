@@ -130,17 +130,15 @@ def _routing_flashinfer(device: torch.device, method: Optional[str] = None, **_)
     common = _flashinfer_common(device)
     if common:
         return common
-    major = sm_major(device)
-    if method == "deepseek_v3":
-        cap = capability(device)
-        if cap >= (8, 9):
-            return None
-        return (f"FlashInfer's fused_topk_deepseek runs on SM89 and newer; this device is "
-                f"SM{cap[0]}{cap[1]}")
-    if major is not None and major >= BLACKWELL_SM_MAJOR:
+    if method != "deepseek_v3":
+        # FlashInfer's general routing (trtllm_gen_routing) is Blackwell-only and not wrapped.
+        return (f"only method='deepseek_v3' is wrapped for FlashInfer (fused_topk_deepseek); "
+                f"asked for method={method!r}")
+    cap = capability(device)
+    if cap >= (8, 9):
         return None
-    return (f"FlashInfer's general routing kernels are Blackwell-only (SM100+); on SM{major}0 it "
-            f"runs only method='deepseek_v3' (fused_topk_deepseek); asked for method={method!r}")
+    return (f"FlashInfer's fused_topk_deepseek runs on SM89 and newer; this device is "
+            f"SM{cap[0]}{cap[1]}")
 
 
 def _permute_flashinfer(device: torch.device, **_) -> Optional[str]:
