@@ -352,12 +352,12 @@ class MoEAlltoall:
         plan:         this rank's plan from :meth:`prepare`.
         quant:        None: move x as is. ``"nvfp4"``: quantize locally (quantize stage,
                       linear scale layout), move packed rows and scale rows as two tensors.
-                      ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales.
+                      ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales (blocks of 32).
         global_scale: [1] float32, the NVFP4 global encode scale (448*6 / amax); nvfp4 only.
         Returns, rows by source rank then the source's send order, rows past total_recv 0:
         quant None: [N*R, H] of x's dtype; ``"nvfp4"``: (packed [N*R, H/2] uint8, two e2m1 per
         byte, scales [N*R, H/16] uint8 e4m3 bits); ``"mxfp8"``: (codes [N*R, H] and scales
-        [N*R, H/32] in the dtypes the quantizer returns).
+        [N*R, H/32] uint8 e8m0, codes in the quantizer's dtype, float8_e4m3fn).
         """
         self._check_open()
         self._check_plan(plan)
@@ -382,7 +382,7 @@ class MoEAlltoall:
             if global_scale is not None:
                 raise ValueError("global_scale is only used with quant='nvfp4'")
             from a2a.quantize import quantize_mxfp8
-            codes, scales = quantize_mxfp8(x, layout="linear", backend=self.backends["quantize"])
+            codes, scales = quantize_mxfp8(x, backend=self.backends["quantize"])
             return (self._dispatch_rows(codes, plan, "mxfp8 codes"),
                     self._dispatch_rows(scales, plan, "mxfp8 scales"))
         raise ValueError(f"quant={quant!r} must be None or one of {QUANT_FORMATS}")
