@@ -194,7 +194,8 @@ class MoEAlltoall:
                 size = workspace.flashinfer_prepare_workspace_bytes(self.ep_size)
             else:
                 size = workspace.triton_prepare_workspace_bytes(
-                    self.ep_size, self.max_tokens_per_rank, self.top_k, self.num_experts)
+                    self.ep_size, self.max_tokens_per_rank, self.top_k, self.num_experts,
+                    self.slot_count)
             self._workspaces[kind] = workspace.MnnvlWorkspace(self.group, size, self.device)
         return self._workspaces[kind].tensor
 
@@ -235,8 +236,10 @@ class MoEAlltoall:
                       slots are sent nowhere and contribute nothing to combine.
         check_inputs: range-check the ids (reads them: a host sync) and agree with the other
                       ranks that every input is valid (one tiny all_reduce), so that a bad input
-                      raises on every rank before anything is sent. False skips both (for
-                      benchmarks and CUDA graphs); a bad id then gives a wrong plan or a hang.
+                      raises on every rank before anything is sent; the Triton prepare also
+                      reads its timeout status and raises naming missing ranks. False skips
+                      all of it (for benchmarks and CUDA graphs); a bad id then gives a wrong
+                      plan or a hang.
         Returns this rank's :class:`AlltoallPlan` (expert_counts [R, S] filled).
         """
         self._check_open()
@@ -271,7 +274,8 @@ class MoEAlltoall:
                               ep_rank=self.ep_rank, ep_size=self.ep_size,
                               num_experts=self.num_experts,
                               max_tokens_per_rank=self.max_tokens_per_rank,
-                              slot_count=self.slot_count, call_index=call_index)
+                              slot_count=self.slot_count, call_index=call_index,
+                              check=check_inputs, check_ids=False)
 
     def _checked_routing(self, topk_ids, topk_weights, sanitize: bool,
                          check_ids: bool) -> torch.Tensor:

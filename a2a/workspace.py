@@ -126,8 +126,8 @@ def flashinfer_prepare_workspace_bytes(ep_size: int) -> int:
 
 
 def triton_prepare_workspace_bytes(ep_size: int, max_tokens_per_rank: int, top_k: int,
-                                   num_experts: int) -> int:
+                                   num_experts: int, slot_count: int) -> int:
     """Bytes per rank of the Triton prepare's workspace (``a2a.triton_prepare``)."""
     from a2a.triton_prepare import prepare_workspace_words
     return WORD_BYTES * int(prepare_workspace_words(ep_size, max_tokens_per_rank, top_k,
-                                                    num_experts))
+                                                    num_experts, slot_count))
