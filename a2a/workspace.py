@@ -82,7 +82,8 @@ class MnnvlWorkspace:
             raise RuntimeError(f"MnnvlMemory gave a workspace of shape {tuple(self.tensor.shape)}, "
                                f"expected {(self.ep_size, bytes_per_rank // WORD_BYTES)}")
         # Every rank zeroes its own segment; nobody writes into a peer before all are zero.
-        self.tensor[self.ep_rank].zero_()
+        # (Through an int64 view: torch implements few kernels for uint64.)
+        self.tensor[self.ep_rank].view(torch.int64).zero_()
         torch.cuda.synchronize(device)
         self._comm.barrier()
 
