@@ -28,6 +28,9 @@ import triton.language as tl
 from kernels.reference import check_prepare_inputs
 from kernels.types import UNUSED, LocalSendPlan
 
+# The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
+UNUSED_ID = tl.constexpr(UNUSED)
+
 
 @triton.jit
 def _first_slot_on_rank(topk_ids_ptr, tokens, token_mask, ranks, ep_size, slots_per_rank,
@@ -107,9 +110,9 @@ def _index_kernel(topk_ids_ptr, block_counts_ptr, block_hist_ptr, send_counts_pt
     for step in tl.static_range(TAIL_CHUNK // TAIL_BLOCK):
         offsets = block * TAIL_CHUNK + step * TAIL_BLOCK + tl.arange(0, TAIL_BLOCK)
         tail_mask = (offsets >= total) & (offsets < index_len)
-        tl.store(send_indices_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED, tl.int32),
+        tl.store(send_indices_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
                  mask=tail_mask)
-        tl.store(backward_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED, tl.int32),
+        tl.store(backward_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
                  mask=tail_mask)
 
     # This program's slice of the histogram sum over blocks.

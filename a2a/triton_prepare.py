@@ -1,0 +1,349 @@
+"""The cross-rank prepare in Triton: each rank's local plan, then one kernel that pushes what every
+destination needs into its row of a peer-mapped workspace, signals it, waits for the other ranks
+and builds the receive side of the :class:`~kernels.types.AlltoallPlan`.
+
+The workspace
+-------------
+``workspace [R, words]`` int64/uint64: row q is rank q's inbox, every row addressable from every
+rank (FlashInfer's ``MnnvlMemory(...).as_torch_strided_tensor(torch.uint64)``; for R simulated
+ranks on one GPU a plain zeroed tensor). Rank q's row, in 64-bit words then 32-bit words::
+
+    flags   [R, MAX_CHUNKS] int64   flag[s, c]: last call whose chunk c source s has delivered,
+                                    as call_index + 1 (0 = never)
+    regions [2, R] x region         parity p = call_index % 2, source s:
+        count   int32 (+3 pad)      rows s sends to q in this call
+        hist    [S] int32 (padded)  s's expert_counts (chunk 0 writes it)
+        ids     [N, k] int32        s's k ids of each row it sends to q, in send order
+        weights [N, k] fp32 bits    the same rows' k weights
+
+Protocol of one call (call_index = c, the same on every rank, +1 per call from 0 on a zeroed
+workspace). The grid is (R, C): program (q, chunk) first SENDS chunk ``chunk`` of this rank's
+segment for destination q, then RECEIVES chunk ``chunk`` of what source q sent here.
+
+- send: plain stores of count, rows (and hist for chunk 0) into q's region (p, me); a CTA
+  barrier (so every thread's stores precede the flag), then one ``atomic_xchg(flag[me, chunk]
+  of row q, c + 1, sem="release", scope="sys")``: a receiver that acquires it sees them all.
+- receive: spin with ``atomic_add(flag, 0, sem="acquire", scope="sys")`` until flag[s, chunk] of
+  our row is >= c + 1 for every source s (counts of all sources give the row offsets; source q's
+  flag also covers the rows we copy), a CTA barrier, then read (L2, ``.cg``) and write the plan.
+
+Why ``>= c + 1`` and not ``==``: a fast source may finish call c+1 (it needs our call c+1 flag,
+which we publish before we wait) and publish c + 2 before we look; its value still proves
+the call-c+1 data was written before (release is cumulative over its earlier stores).
+
+Why two parities suffice: source s writes region (p, s) again only in call c + 2. To start
+call c + 2 it must have finished call c + 1, which waited for our call-c+1 flag; we publish that
+flag only in our call-c+1 kernel, which starts after our call-c kernel (same stream) finished
+reading region (p, s). So call c + 2's writes cannot overtake our call-c reads.
+
+Timeout: each wait spins at most ``timeout_spins`` times (one sys-scope atomic each, well over
+0.1 us, so the default is tens of seconds). On timeout the program takes the missing sources'
+counts as 0 (no out-of-range writes) and records ``status[s] = max(status[s], c + 1)``; the
+launcher raises naming the ranks when ``check=True``. After a timeout the workspace is stale:
+zero it and restart call_index at 0 on every rank.
+
+Co-residency: receivers spin, so every program of the exchange kernel must be resident at once
+(on one GPU per rank: R * C <= max_programs, 128 by default, fits H200's 132 SMs; with R
+simulated ranks on one GPU, all R * R * C programs must fit, which the tests ensure with a small
+``max_programs``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.prepare import local_send_plan
+from kernels.reference import check_prepare_inputs
+from kernels.types import UNUSED, AlltoallPlan
+
+# The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
+UNUSED_ID = tl.constexpr(UNUSED)
+from kernels.validate import check_tensor
+
+# Chunks per (source, destination) pair: a fixed upper bound so that the workspace layout does
+# not depend on the launch (flags are [R, MAX_CHUNKS] per row).
+MAX_CHUNKS = 64
+# At least this many send-order rows per chunk: fewer makes the flag traffic dominate.
+MIN_CHUNK_ROWS = 64
+# Default bound on the exchange grid R * C: every program must be resident at once (they spin),
+# and an H200 has 132 SMs.
+EXCHANGE_PROGRAMS = 128
+# Rows copied per step (a [BLOCK_ROWS, k] tile of ids and of weights).
+BLOCK_ROWS = 64
+# Header of a region: the count, padded to 16 bytes.
+HEADER_INTS = 4
+# Default spin bound of each wait (see the module docstring).
+TIMEOUT_SPINS = 1 << 26
+NUM_WARPS = 4
+
+
+@triton.jit
+def _wait_for_flags(flag_ptrs, mask, expected, timeout_spins):
+    """Spin until every masked flag is >= expected (acquire, system scope) or the spin bound is
+    reached. Returns [n] int1: flag arrived (True for masked-off lanes)."""
+    arrived = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    ok = (arrived >= expected) | (mask == 0)
+    done = tl.min(ok.to(tl.int32), axis=0)
+    spins = 0
+    while (done == 0) & (spins < timeout_spins):
+        arrived = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        ok = (arrived >= expected) | (mask == 0)
+        done = tl.min(ok.to(tl.int32), axis=0)
+        spins += 1
+    return ok
+
+
+# Values that change from call to call (or are often 1, which Triton would otherwise turn into a
+# constant) are not specialized: one compiled kernel serves every call.
+@triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_tokens", "num_rows", "chunk_rows",
+                               "tail_rows", "flag_value", "parity", "timeout_spins"])
+def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send_cumsum_ptr,
+                     send_indices_ptr, local_hist_ptr, recv_cumsum_ptr, recv_local_ptr,
+                     recv_ids_ptr, recv_weights_ptr, expert_counts_ptr, status_ptr,
+                     ep_rank, ep_size, num_slots, slots_per_rank, max_tokens, num_rows,
+                     chunk_rows, tail_rows, flag_value, parity, timeout_spins,
+                     flags_ints, region_ints, hist_off, ids_off, weights_off,
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                     S_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                     WITH_COUNTS: tl.constexpr):
+    peer = tl.program_id(0)       # destination when sending, source when receiving
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    row_stride32 = ws_row_stride.to(tl.int64) * 2  # the workspace stride is in 64-bit words
+    cols = tl.arange(0, K_PAD)
+    col_ok = cols < TOP_K
+
+    # ---- send: chunk `chunk` of this rank's rows for destination `peer` -------------------
+    seg_end = tl.load(send_cumsum_ptr + peer)
+    seg_start = tl.load(send_cumsum_ptr + peer - 1, mask=peer > 0, other=0)
+    count = seg_end - seg_start
+    region = (ws32 + peer.to(tl.int64) * row_stride32 + flags_ints
+              + (parity * ep_size + ep_rank).to(tl.int64) * region_ints)
+    tl.store(region, count)  # every chunk writes the same count: its flag then covers it
+    if WITH_COUNTS:
+        if chunk == 0:
+            slots = tl.arange(0, S_PAD)
+            hist = tl.load(local_hist_ptr + slots, mask=slots < num_slots)
+            tl.store(region + hist_off + slots, hist, mask=slots < num_slots)
+    row_begin = chunk * chunk_rows
+    row_end = tl.minimum(row_begin + chunk_rows, count)
+    for row0 in range(row_begin, row_end, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < row_end
+        token = tl.load(send_indices_ptr + seg_start + rows, mask=row_ok, other=0)
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        source = token[:, None] * TOP_K + cols[None, :]
+        ids = tl.load(topk_ids_ptr + source, mask=tile_ok)
+        weights = tl.load(topk_weights_ptr + source, mask=tile_ok)
+        target = rows[:, None] * TOP_K + cols[None, :]
+        tl.store(region + ids_off + target, ids, mask=tile_ok)
+        tl.store(region + weights_off + target, weights.to(tl.int32, bitcast=True),
+                 mask=tile_ok)
+    # Every thread's stores above happen before the flag: barrier, then one release store.
+    tl.debug_barrier()
+    flag = ws64 + peer.to(tl.int64) * ws_row_stride + ep_rank * MAX_CHUNKS + chunk
+    tl.atomic_xchg(flag, flag_value.to(tl.int64), sem="release", scope="sys")
+
+    # ---- receive: chunk `chunk` of what source `peer` sent here ----------------------------
+    my_row32 = ws32 + ep_rank.to(tl.int64) * row_stride32
+    my_row64 = ws64 + ep_rank.to(tl.int64) * ws_row_stride
+    sources = tl.arange(0, R_PAD)
+    source_ok = sources < ep_size
+    arrived = _wait_for_flags(my_row64 + sources * MAX_CHUNKS + chunk, source_ok,
+                              flag_value.to(tl.int64), timeout_spins)
+    tl.debug_barrier()  # the acquiring thread's view before any thread reads the data
+    missing = source_ok & (arrived == 0)
+    tl.atomic_max(status_ptr + sources, flag_value.to(tl.int64), mask=missing)
+    regions = my_row32 + flags_ints + (parity * ep_size + sources).to(tl.int64) * region_ints
+    counts = tl.load(regions, mask=source_ok & (arrived != 0), other=0, cache_modifier=".cg")
+    counts = tl.minimum(tl.maximum(counts, 0), max_tokens)  # never trust a count blindly
+    recv_end = tl.cumsum(counts, axis=0)
+    recv_start = recv_end - counts
+    total = tl.sum(counts, axis=0)
+    my_start = tl.sum(tl.where(sources == peer, recv_start, 0), axis=0)
+    my_count = tl.sum(tl.where(sources == peer, counts, 0), axis=0)
+    if (peer == 0) & (chunk == 0):
+        tl.store(recv_cumsum_ptr + sources, recv_end, mask=source_ok)
+    region = my_row32 + flags_ints + (parity * ep_size + peer).to(tl.int64) * region_ints
+    if WITH_COUNTS:
+        if chunk == 0:
+            slots = tl.arange(0, S_PAD)
+            peer_arrived = tl.sum(tl.where(sources == peer, arrived.to(tl.int32), 0), axis=0)
+            hist_ok = (slots < num_slots) & (peer_arrived != 0)
+            hist = tl.load(region + hist_off + slots, mask=hist_ok, other=0,
+                           cache_modifier=".cg")
+            tl.store(expert_counts_ptr + peer * num_slots + slots, hist, mask=slots < num_slots)
+    row_begin = chunk * chunk_rows
+    row_end = tl.minimum(row_begin + chunk_rows, my_count)
+    for row0 in range(row_begin, row_end, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < row_end
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        source = rows[:, None] * TOP_K + cols[None, :]
+        ids = tl.load(region + ids_off + source, mask=tile_ok, other=0, cache_modifier=".cg")
+        bits = tl.load(region + weights_off + source, mask=tile_ok, other=0,
+                       cache_modifier=".cg")
+        owned = (ids // slots_per_rank) == ep_rank
+        out_rows = my_start + rows
+        target = out_rows[:, None] * TOP_K + cols[None, :]
+        tl.store(recv_ids_ptr + target, tl.where(owned, ids, num_slots), mask=tile_ok)
+        tl.store(recv_weights_ptr + target, bits.to(tl.float32, bitcast=True), mask=tile_ok)
+        tl.store(recv_local_ptr + out_rows, out_rows, mask=row_ok)
+
+    # ---- padding rows [total, N*R): ids S, weights 0, indices UNUSED; spread over programs --
+    program = peer * num_chunks + chunk
+    tail_begin = tl.maximum(program * tail_rows, total)
+    tail_end = tl.minimum(program * tail_rows + tail_rows, num_rows)
+    for row0 in range(tail_begin, tail_end, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < tail_end
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        target = rows[:, None] * TOP_K + cols[None, :]
+        tl.store(recv_ids_ptr + target, tl.full((BLOCK_ROWS, K_PAD), 0, tl.int32) + num_slots,
+                 mask=tile_ok)
+        tl.store(recv_weights_ptr + target, tl.zeros((BLOCK_ROWS, K_PAD), tl.float32),
+                 mask=tile_ok)
+        tl.store(recv_local_ptr + rows, tl.full((BLOCK_ROWS,), UNUSED_ID, tl.int32), mask=row_ok)
+
+
+def _region_ints(max_tokens_per_rank: int, top_k: int, slot_count: int) -> tuple[int, ...]:
+    """(region_ints, hist_off, ids_off, weights_off) in 32-bit words, 16-byte aligned."""
+    def align(n):
+        return triton.cdiv(n, 4) * 4
+    hist_off = HEADER_INTS
+    ids_off = hist_off + align(slot_count)
+    weights_off = ids_off + align(max_tokens_per_rank * top_k)
+    region = weights_off + align(max_tokens_per_rank * top_k)
+    return region, hist_off, ids_off, weights_off
+
+
+def prepare_workspace_words(ep_size: int, max_tokens_per_rank: int, top_k: int,
+                            num_experts: int, slot_count: Optional[int] = None) -> int:
+    """64-bit words each rank's workspace row needs for :func:`triton_prepare`.
+
+    ep_size R, max_tokens_per_rank N, top_k k, num_experts E (slot_count S, default E):
+    ``R * MAX_CHUNKS`` flag words plus two parities of R regions of ``16 + 4*S + 8*N*k``
+    bytes (rounded up to 16). E.g. R = 8, N = 8192, k = 8, S = 256: ~8.4 MiB.
+    """
+    slots = num_experts if slot_count is None else slot_count
+    region, *_ = _region_ints(max_tokens_per_rank, top_k, slots)
+    return ep_size * MAX_CHUNKS + ep_size * region  # 2 parities * region int32 = region words
+
+
+def exchange_chunks(ep_size: int, max_tokens_per_rank: int,
+                    max_programs: int = EXCHANGE_PROGRAMS) -> int:
+    """C, the chunks per (source, destination): the exchange grid is (R, C). Every rank must
+    get the same C, i.e. pass the same ``max_programs``."""
+    by_rows = triton.cdiv(max(max_tokens_per_rank, 1), MIN_CHUNK_ROWS)
+    return max(1, min(MAX_CHUNKS, max_programs // ep_size, by_rows))
+
+
+def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace: torch.Tensor,
+                   *, ep_rank: int, ep_size: int, num_experts: int, max_tokens_per_rank: int,
+                   slot_count: Optional[int] = None, call_index: int,
+                   with_expert_counts: bool = True, timeout_spins: int = TIMEOUT_SPINS,
+                   max_programs: int = EXCHANGE_PROGRAMS, check: bool = True,
+                   check_ids: bool = True,
+                   status: Optional[torch.Tensor] = None) -> AlltoallPlan:
+    """One rank's full prepare over a peer-mapped workspace (three launches, no host sync when
+    ``check=False`` and ``check_ids=False``).
+
+    topk_ids:            [T, k] int32 contiguous, slot ids in ``[0, S]`` (S = padding).
+    topk_weights:        [T, k] float32 contiguous, routing weights.
+    workspace:           [R, words] int64 or uint64, row r = rank r's inbox, all rows mapped
+                         here; ``words >= prepare_workspace_words(...)``; zeroed before call 0.
+    ep_rank, ep_size:    this rank r and R.
+    num_experts, max_tokens_per_rank, slot_count: E, N (>= T on every rank), S (default E).
+    call_index:          0, 1, 2, ... : +1 per call, the same sequence on every rank.
+    with_expert_counts:  exchange every rank's expert_counts (the plan's [R, S]); else None.
+    timeout_spins:       bound of each wait (see the module docstring).
+    max_programs:        bound of the exchange grid R * C; the same on every rank.
+    check:               after the launch, read the status (a host sync) and raise naming the
+                         source ranks that did not arrive. Pass False under CUDA-graph capture
+                         and pass your own ``status`` to check later.
+    check_ids:           range-check topk_ids first (a host sync).
+    status:              [R] int64, zeroed once; entry s becomes call_index + 1 when a wait for
+                         source s timed out in this call. Default: a fresh zeroed tensor.
+    Returns this rank's :class:`AlltoallPlan`, equal to ``simulate_alltoall(...)[ep_rank]``.
+    """
+    num_tokens, top_k, max_tokens, slots = check_prepare_inputs(
+        topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
+    device = topk_ids.device
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=device,
+                 contiguous=True)
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids "
+                         f"{tuple(topk_ids.shape)}")
+    check_tensor("workspace", workspace, dtype=(torch.int64, torch.uint64), ndim=2,
+                 device=device)
+    words = prepare_workspace_words(ep_size, max_tokens, top_k, num_experts, slots)
+    if workspace.shape[0] != ep_size or workspace.shape[1] < words or workspace.stride(1) != 1:
+        raise ValueError(f"workspace must be [ep_size={ep_size}, >= {words}] with unit column "
+                         f"stride (prepare_workspace_words); got shape {tuple(workspace.shape)} "
+                         f"strides {workspace.stride()}")
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} must be in [0, ep_size={ep_size})")
+    if not isinstance(call_index, int) or call_index < 0:
+        raise ValueError(f"call_index={call_index!r} must be an int >= 0 (+1 per call)")
+    plan = local_send_plan(topk_ids, num_experts, ep_size, max_tokens_per_rank=max_tokens,
+                           slot_count=slots, check_ids=check_ids)
+
+    rows = max_tokens * ep_size
+    recv_cumsum = torch.empty(ep_size, dtype=torch.int32, device=device)
+    recv_local = torch.empty(rows, dtype=torch.int32, device=device)
+    recv_ids = torch.empty((rows, top_k), dtype=torch.int32, device=device)
+    recv_weights = torch.empty((rows, top_k), dtype=torch.float32, device=device)
+    expert_counts = (torch.empty((ep_size, slots), dtype=torch.int32, device=device)
+                     if with_expert_counts else None)
+    if status is None:
+        status = torch.zeros(ep_size, dtype=torch.int64, device=device)
+    check_tensor("status", status, dtype=torch.int64, ndim=1, device=device)
+    if status.numel() != ep_size:
+        raise ValueError(f"status must have ep_size={ep_size} entries, got {status.numel()}")
+
+    chunks = exchange_chunks(ep_size, max_tokens, max_programs)
+    region, hist_off, ids_off, weights_off = _region_ints(max_tokens, top_k, slots)
+    _exchange_kernel[(ep_size, chunks)](
+        workspace, workspace.stride(0), topk_ids, topk_weights, plan.send_rank_count_cumsum,
+        plan.send_rank_local_indices, plan.expert_counts, recv_cumsum, recv_local, recv_ids,
+        recv_weights, expert_counts if with_expert_counts else recv_cumsum, status,
+        ep_rank, ep_size, slots, slots // ep_size, max_tokens, rows,
+        triton.cdiv(max(max_tokens, 1), chunks), triton.cdiv(rows, ep_size * chunks),
+        call_index + 1, call_index % 2, timeout_spins,
+        2 * ep_size * MAX_CHUNKS, region, hist_off, ids_off, weights_off,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        R_PAD=triton.next_power_of_2(ep_size), S_PAD=triton.next_power_of_2(slots),
+        MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=BLOCK_ROWS, WITH_COUNTS=with_expert_counts,
+        num_warps=NUM_WARPS)
+    if check:
+        raise_on_timeout(status, call_index, ep_rank)
+    return AlltoallPlan(
+        send_rank_count_cumsum=plan.send_rank_count_cumsum,
+        send_rank_local_indices=plan.send_rank_local_indices,
+        backward_recv_rank_local_indices=plan.backward_recv_rank_local_indices,
+        recv_rank_count_cumsum=recv_cumsum, recv_rank_local_indices=recv_local,
+        recv_expert_ids=recv_ids, recv_weights=recv_weights, expert_counts=expert_counts,
+        ep_rank=ep_rank, ep_size=ep_size, max_tokens_per_rank=max_tokens,
+        num_tokens=num_tokens, top_k=top_k, slot_count=slots)
+
+
+class PrepareTimeout(RuntimeError):
+    """Some source ranks did not deliver their prepare data within the spin bound."""
+
+
+def raise_on_timeout(status: torch.Tensor, call_index: int, ep_rank: int) -> None:
+    """Raise :class:`PrepareTimeout` naming the source ranks whose data did not arrive in call
+    ``call_index`` (reads ``status``: a host sync)."""
+    missing = torch.nonzero(status == call_index + 1).flatten().tolist()
+    if missing:
+        raise PrepareTimeout(
+            f"rank {ep_rank}, call {call_index}: source rank(s) {missing} did not deliver their "
+            f"prepare data within timeout_spins (did every rank call triton_prepare with the "
+            f"same call_index sequence, starting at 0 on a zeroed workspace?). The workspace "
+            f"is now stale: zero it and restart call_index at 0 on every rank.")

@@ -1,0 +1,197 @@
+"""The Triton cross-rank prepare (a2a/triton_prepare.py) with R ranks simulated on one GPU.
+
+GPU only: the exchange needs its ranks running at the same time (each spins until the others'
+flags arrive), while Triton's CPU interpreter runs programs, and ranks, one after another. The one
+CPU test (``test_exchange_index_math_emulated_on_cpu``) checks the kernel's index math in the
+interpreter by running every rank twice with the same call_index: the first pass delivers all
+data (its waits time out at once), the second finds every flag set.
+
+Simulation: one zeroed [R, words] workspace (row r = rank r's inbox), one CUDA stream per rank;
+every rank's call is launched on its own stream with ``check=False`` (a host sync inside one
+rank's call would wait for ranks not yet launched) and ``check_ids=False``; then all streams are
+synchronized and each plan is compared field by field with ``simulate_alltoall``. The exchange
+kernels of all R ranks must be resident at once or they deadlock: with ``max_programs`` = P
+each rank launches R * C <= P programs of 4 warps, so R * P programs in all (at most 8 * 16 =
+128 here), far below what 132 SMs hold.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from a2a import triton_prepare as tp
+from kernels import reference as ref
+from tests.test_reference_prepare import random_routing
+
+CONCURRENT = "the exchange needs its ranks running concurrently (each spins on the others' " \
+             "flags); Triton's CPU interpreter runs them one after another"
+gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=CONCURRENT)]
+
+
+def simulate_ranks(ids, weights, workspace, statuses, *, num_experts, max_tokens, slots,
+                   call_index, max_programs, with_expert_counts=True, timeout_spins=1 << 24,
+                   ranks=None):
+    """Launch every rank's triton_prepare on its own stream; return the plans after a sync."""
+    ep_size = len(ids)
+    streams = [torch.cuda.Stream() for _ in range(ep_size)]
+    plans = [None] * ep_size
+    current = torch.cuda.current_stream()
+    for rank in (range(ep_size) if ranks is None else ranks):
+        streams[rank].wait_stream(current)  # inputs were made on the current stream
+        with torch.cuda.stream(streams[rank]):
+            plans[rank] = tp.triton_prepare(
+                ids[rank], weights[rank], workspace, ep_rank=rank, ep_size=ep_size,
+                num_experts=num_experts, max_tokens_per_rank=max_tokens, slot_count=slots,
+                call_index=call_index, with_expert_counts=with_expert_counts,
+                timeout_spins=timeout_spins, max_programs=max_programs, check=False,
+                check_ids=False, status=statuses[rank])
+    torch.cuda.synchronize()
+    return plans
+
+
+def assert_plan_equal(got, want):
+    for name, expected in want.tensors().items():
+        actual = got.tensors()[name]
+        assert actual is not None, name
+        assert actual.dtype == expected.dtype, name
+        assert torch.equal(actual.cpu(), expected.cpu()), (got.ep_rank, name)
+    assert (got.expert_counts is None) == (want.expert_counts is None)
+    assert (got.ep_rank, got.num_tokens, got.top_k, got.slot_count) == \
+        (want.ep_rank, want.num_tokens, want.top_k, want.slot_count)
+
+
+def make_inputs(ep_size, max_tokens, top_k, experts, slots, generator, device, *, uneven):
+    tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=generator)) if uneven
+              else max_tokens for _ in range(ep_size)]
+    ids = [random_routing(ep_size, t, top_k, experts, slots, generator) for t in tokens]
+    weights = [torch.rand(t, top_k, generator=generator) for t in tokens]
+    return ids, weights, [i.to(device) for i in ids], [w.to(device) for w in weights]
+
+
+CASES = [  # (R, N, k, E, S, max_programs): C = chunks per pair
+    (2, 300, 2, 8, 8, 8),      # C = 4: several chunks per (source, destination)
+    (2, 64, 8, 32, 32, 2),     # C = 1
+    (4, 130, 8, 12, 16, 8),    # redundant slots, C = 2
+    (8, 40, 3, 16, 24, 8),     # k not a power of two, C = 1
+    (8, 257, 8, 256, 256, 16),  # DeepSeek-like routing, C = 2
+]
+
+
+@gpu_only[0]
+@gpu_only[1]
+@pytest.mark.parametrize("ep_size,max_tokens,top_k,experts,slots,max_programs", CASES)
+def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tokens, top_k,
+                                                        experts, slots, max_programs):
+    generator = torch.Generator().manual_seed(ep_size * 1000 + max_tokens)
+    words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts, slots)
+    workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
+    statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    for call in range(100):  # fresh routing every call: exercises the flags and the parities
+        ids, weights, ids_dev, weights_dev = make_inputs(
+            ep_size, max_tokens, top_k, experts, slots, generator, device, uneven=call % 3 == 1)
+        with_counts = call % 5 != 4
+        plans = simulate_ranks(ids_dev, weights_dev, workspace, statuses,
+                               num_experts=experts, max_tokens=max_tokens, slots=slots,
+                               call_index=call, max_programs=max_programs,
+                               with_expert_counts=with_counts)
+        want = ref.simulate_alltoall(ids, weights, experts, max_tokens, slots,
+                                     with_expert_counts=with_counts)
+        for rank in range(ep_size):
+            assert int(statuses[rank].max()) == 0, (call, rank, statuses[rank])
+            assert_plan_equal(plans[rank], want[rank])
+
+
+@gpu_only[0]
+@gpu_only[1]
+def test_bit_identical_over_100_runs(device):
+    ep_size, max_tokens, top_k, experts = 4, 512, 8, 64
+    generator = torch.Generator().manual_seed(11)
+    _, _, ids, weights = make_inputs(ep_size, max_tokens, top_k, experts, experts, generator,
+                                     device, uneven=False)
+    words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts)
+    workspace = torch.zeros((ep_size, words), dtype=torch.uint64, device=device)
+    statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    first = simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
+                           max_tokens=max_tokens, slots=experts, call_index=0, max_programs=16)
+    for call in range(1, 101):
+        again = simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
+                               max_tokens=max_tokens, slots=experts, call_index=call,
+                               max_programs=16)
+        for rank in range(ep_size):
+            for name, tensor in first[rank].tensors().items():
+                assert torch.equal(again[rank].tensors()[name], tensor), (call, rank, name)
+
+
+@gpu_only[0]
+@gpu_only[1]
+def test_missing_rank_times_out_and_is_named(device):
+    ep_size, max_tokens, top_k, experts = 2, 16, 2, 4
+    generator = torch.Generator().manual_seed(3)
+    _, _, ids, weights = make_inputs(ep_size, max_tokens, top_k, experts, experts, generator,
+                                     device, uneven=False)
+    words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts)
+    workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
+    statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
+                   max_tokens=max_tokens, slots=experts, call_index=0, max_programs=2,
+                   timeout_spins=1000, ranks=[0])  # rank 1 never comes
+    assert statuses[0].tolist() == [0, 1]  # source 1 timed out in call 0 (value call + 1)
+    with pytest.raises(tp.PrepareTimeout, match=r"source rank\(s\) \[1\]"):
+        tp.raise_on_timeout(statuses[0], 0, 0)
+
+
+@gpu_only[0]
+@gpu_only[1]
+def test_workspace_checks(device):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
+    weights = torch.zeros(4, 2, dtype=torch.float32, device=device)
+    small = torch.zeros((2, 8), dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="prepare_workspace_words"):
+        tp.triton_prepare(ids, weights, small, ep_rank=0, ep_size=2, num_experts=4,
+                          max_tokens_per_rank=4, call_index=0)
+
+
+def _interpreter_with_runtime_loops(monkeypatch):
+    """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)``, which numpy 2
+    refuses for the 1-element arrays it holds; patch that one conversion for this test only."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+    patch_lang = interpreter._patch_lang
+
+    def patched(fn):
+        scope = patch_lang(fn)  # restoring the scope also undoes the line below
+        tl.core.tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+        return scope
+    monkeypatch.setattr(interpreter, "_patch_lang", patched)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter emulation")
+@pytest.mark.parametrize("ep_size,max_tokens,top_k,experts,slots,max_programs,with_counts", [
+    (2, 5, 2, 4, 4, 2, True),
+    (2, 300, 2, 8, 8, 8, True),    # C = 4 chunks per pair
+    (3, 40, 3, 6, 9, 3, False),
+    (4, 70, 8, 12, 16, 8, True),   # C = 2
+])
+def test_exchange_index_math_emulated_on_cpu(monkeypatch, ep_size, max_tokens, top_k, experts,
+                                             slots, max_programs, with_counts):
+    _interpreter_with_runtime_loops(monkeypatch)
+    generator = torch.Generator().manual_seed(ep_size * 7 + max_tokens)
+    words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts, slots)
+    workspace = torch.zeros((ep_size, words), dtype=torch.int64)
+    for call in range(2):  # two calls: both parities of the double buffer
+        ids, weights, _, _ = make_inputs(ep_size, max_tokens, top_k, experts, slots, generator,
+                                         "cpu", uneven=True)
+        for spins in (2, 1000):  # pass 1 delivers (its waits time out), pass 2 receives
+            statuses = [torch.zeros(ep_size, dtype=torch.int64) for _ in range(ep_size)]
+            plans = [tp.triton_prepare(
+                ids[rank], weights[rank], workspace, ep_rank=rank, ep_size=ep_size,
+                num_experts=experts, max_tokens_per_rank=max_tokens, slot_count=slots,
+                call_index=call, with_expert_counts=with_counts, timeout_spins=spins,
+                max_programs=max_programs, check=spins > 2, status=statuses[rank])
+                for rank in range(ep_size)]
+        want = ref.simulate_alltoall(ids, weights, experts, max_tokens, slots,
+                                     with_expert_counts=with_counts)
+        for rank in range(ep_size):
+            assert_plan_equal(plans[rank], want[rank])
