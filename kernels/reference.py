@@ -394,18 +394,19 @@ def e8m0_value(code: torch.Tensor) -> torch.Tensor:
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[M, H] codes (uint8 < 16) -> [M, H/2] bytes; element 2i in the low nibble of byte i."""
-    pairs = codes.reshape(codes.shape[0], -1, 2)
+    pairs = codes.reshape(codes.shape[0], codes.shape[1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """[M, H/2] bytes -> [M, H] codes; the inverse of ``_pack_nibbles``."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0],
+                                                                  packed.shape[1] * 2)
 
 
 def _block_amax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x as fp32 [M, H/block, block] and its per-block amax [M, H/block]."""
-    blocks = x.to(torch.float32).reshape(x.shape[0], -1, block)
+    blocks = x.to(torch.float32).reshape(x.shape[0], x.shape[1] // block, block)
     return blocks, blocks.abs().amax(dim=-1)
 
 
@@ -533,7 +534,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     values = e2m1_value(_unpack_nibbles(packed)).reshape(num_rows, num_blocks, NVFP4_BLOCK)
     decode = 1.0 / global_scale.reshape(()).to(torch.float32)
     out = (values * e4m3_value(sf)[..., None]) * decode
-    return out.reshape(num_rows, -1).to(dtype)
+    return out.reshape(num_rows, num_blocks * NVFP4_BLOCK).to(dtype)
 
 
 def _mx_scales(amax: torch.Tensor, element_max: float) -> torch.Tensor:
@@ -568,8 +569,9 @@ def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
     check_tensor("values", values, dtype=(torch.float8_e4m3fn, torch.uint8), ndim=2)
     check_tensor("scales", scales, dtype=torch.uint8, ndim=2)
     num_rows = values.shape[0]
-    blocks = e4m3_value(values.view(torch.uint8)).reshape(num_rows, -1, MX_BLOCK)
-    return (blocks * e8m0_value(scales)[..., None]).reshape(num_rows, -1).to(dtype)
+    hidden = values.shape[1]
+    blocks = e4m3_value(values.view(torch.uint8)).reshape(num_rows, hidden // MX_BLOCK, MX_BLOCK)
+    return (blocks * e8m0_value(scales)[..., None]).reshape(num_rows, hidden).to(dtype)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -598,5 +600,6 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
     check_tensor("packed", packed, dtype=torch.uint8, ndim=2)
     check_tensor("scales", scales, dtype=torch.uint8, ndim=2)
     num_rows = packed.shape[0]
-    values = e2m1_value(_unpack_nibbles(packed)).reshape(num_rows, -1, MX_BLOCK)
-    return (values * e8m0_value(scales)[..., None]).reshape(num_rows, -1).to(dtype)
+    hidden = packed.shape[1] * 2
+    values = e2m1_value(_unpack_nibbles(packed)).reshape(num_rows, hidden // MX_BLOCK, MX_BLOCK)
+    return (values * e8m0_value(scales)[..., None]).reshape(num_rows, hidden).to(dtype)

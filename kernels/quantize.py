@@ -1,0 +1,586 @@
+"""NVFP4 / MXFP8 / MXFP4 quantization in Triton, bit-exact to ``kernels.reference``.
+
+Same names and arguments as the reference section "NVFP4 / MXFP8 / MXFP4 quantization" (read
+its header for the recipes and what FlashInfer does). All rounding is done in software in the
+shared helpers below (``_e2m1_code``, ``_e4m3_code``, ``_e8m0_code``), so the kernels run on
+Hopper (SM90) and Blackwell alike, and on CPU under ``TRITON_INTERPRET=1``:
+
+- e2m1 (round to nearest even, satfinite): adding a power-of-two "magic" number whose ulp is the
+  e2m1 step of the value's range (0.5 below 2, 1 below 4, 2 above) rounds in the fp32 adder;
+  the low bits of the sum are then the code. Kernels are launched with
+  ``enable_fp_fusion=False`` so that ``x * scale`` is rounded before that add (an FMA would
+  round once and break the tie rules).
+- e4m3 (RNE, satfinite): integer rounding of the fp32 bits to 3 mantissa bits, the magic add
+  for the subnormal range. On a GPU ``_HARDWARE_E4M3`` lets it use Triton's fp32 -> fp8e4nv
+  cast instead, which Triton 3.6 lowers to ``cvt.rn.satfinite.e4m3x2.f32`` on SM89+ (the same
+  RNE-satfinite); the interpreter's cast is not RNE, so it always takes the software path.
+- divisions use ``tl.math.div_rn`` (Triton's ``/`` is approximate on the GPU).
+
+Launch rule (fixed, no autotune): a program quantizes a tile of ``BLOCK_ROWS`` rows by
+``BLOCKS`` scale blocks (up to 32 blocks = 512 NVFP4 elements = 1 KiB of bf16 per row, 16-byte
+vector loads), about 4096 elements per program with 4 warps; the grid covers rows x blocks,
+padded to the swizzled tile so that the same programs write the zero padding of the scales.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import (E2M1_MAX, E4M3_MAX, FLT_MAX, MX_BLOCK, NVFP4_BLOCK,
+                               NVFP4_GLOBAL_NUMERATOR, QUANT_INPUT_DTYPES, SCALE_LAYOUTS,
+                               _check_global_scale, _check_layout, _check_quant_input,
+                               swizzled_scale_shape)
+from kernels.validate import check_tensor
+
+# fp32 constants of the recipes (exact fp32 values of 1/6 and 1/448, rounded to nearest).
+INV_E2M1_MAX = float(torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32))
+INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
+LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # constexpr LAYOUT
+# Elements one program handles: 8 KiB of bf16, enough bytes in flight per SM on an H200.
+TILE_ELEMENTS = 4096
+MAX_BLOCKS_PER_PROGRAM = 32  # 32 NVFP4 blocks = 512 columns = 1 KiB bf16 per row
+NUM_WARPS = 4
+# The global-scale pass takes 8x bigger tiles (64 KiB of bf16, 8 warps) so that its three
+# same-address atomics per program stay few (~1800 programs for [8192, 7168]).
+AMAX_TILE_ELEMENTS = 32768
+AMAX_TILE_COLS = 2048
+AMAX_NUM_WARPS = 8
+# Use the GPU's cvt.rn.satfinite.e4m3x2.f32 (via Triton's fp8 cast) for e4m3 on a GPU; tests
+# set it to False to check the software path on the GPU too.
+_HARDWARE_E4M3 = True
+# The same numbers as constexprs, for the kernels.
+_INV6 = tl.constexpr(INV_E2M1_MAX)
+_INV448 = tl.constexpr(INV_E4M3_MAX)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_FLT_MAX = tl.constexpr(FLT_MAX)
+_GLOBAL_NUMERATOR = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
+_TWO_POW_M127 = tl.constexpr(2.0 ** -127)  # e8m0 code 0 / the inverse of code 254 (subnormal)
+
+
+# =============================================================================================
+# Shared rounding helpers
+# =============================================================================================
+
+@triton.jit
+def _rcp_approx(x):
+    """rcp.approx.ftz.f32, FlashInfer's fast reciprocal (GPU only)."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 -> e2m1 code (int32 0..15): RNE, satfinite at 6, sign kept, NaN -> 7 | sign."""
+    sign = (y.to(tl.int32, bitcast=True) >> 28) & 0x8
+    magnitude = tl.abs(y)
+    below_2 = magnitude < 2.0
+    below_4 = magnitude < 4.0
+    # ulp(2^22) = 0.5, ulp(2^23) = 1, ulp(2^24) = 2: the e2m1 step in [0,2), [2,4), [4,8).
+    magic = tl.where(below_2, 4194304.0, tl.where(below_4, 8388608.0, 16777216.0))
+    # bits(magic) minus the code of the range's first value (0 -> 0, 2 -> 4, 4 -> 6) counted
+    # in steps: [0,2): code = steps; [2,4): code = steps + 2; [4,8): code = steps + 4.
+    base = tl.where(below_2, 0x4A800000, tl.where(below_4, 0x4B000000 - 2, 0x4B800000 - 4))
+    code = (magnitude + magic).to(tl.int32, bitcast=True) - base
+    return tl.minimum(code, 7) | sign
+
+
+@triton.jit
+def _e4m3_code(x, HARDWARE: tl.constexpr):
+    """fp32 -> float8_e4m3fn bits (int32 0..255): RNE, satfinite at 448, NaN -> 0x7F."""
+    if HARDWARE:
+        code = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        return code.to(tl.int32)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal (>= 2^-6): round the bits to 3 mantissa bits (ties to even), rebias 127 -> 7
+    normal = tl.minimum(((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960, 126)
+    # subnormal: a multiple of 2^-9; |x| * 512 rounded to an integer by the 2^23 magic add
+    magnitude = a.to(tl.float32, bitcast=True)
+    subnormal = (magnitude * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(a < 0x3C800000, subnormal, normal) | sign  # 0x3C800000 = 2^-6
+    return tl.where(a > 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """float8_e4m3fn bits (int32) -> fp32, exact (0x7F/0xFF -> NaN)."""
+    exponent = (code >> 3) & 0xF
+    mantissa = code & 0x7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # 2^-9
+    value = tl.where((code & 0x80) != 0, -value, value)
+    nan = tl.full(code.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where((code & 0x7F) == 0x7F, nan, value)
+
+
+@triton.jit
+def _e8m0_code(s):
+    """Non-negative fp32 -> e8m0 code (int32): round towards +inf, 0 for s <= 2^-127,
+    satfinite 254, NaN -> 255."""
+    bits = s.to(tl.int32, bitcast=True)
+    exponent = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    code = exponent + (mantissa != 0).to(tl.int32)
+    code = tl.where(exponent == 0, (mantissa > 0x400000).to(tl.int32), code)
+    code = tl.minimum(code, 254)
+    return tl.where(bits > 0x7F800000, 255, code)
+
+
+@triton.jit
+def _e8m0_inverse(code):
+    """2^(127 - code) as fp32 for an e8m0 code (254 -> 2^-127, 255 (NaN) -> 0)."""
+    inverse = ((254 - code) << 23).to(tl.float32, bitcast=True)
+    inverse = tl.where(code == 254, _TWO_POW_M127, inverse)
+    return tl.where(code >= 255, 0.0, inverse)
+
+
+@triton.jit
+def _e8m0_value(code):
+    """2^(code - 127) as fp32 for an e8m0 code (0 -> 2^-127 subnormal, 255 -> inf)."""
+    return tl.where(code == 0, _TWO_POW_M127, (code << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _scale_offsets(rows, blocks, padded_blocks, LAYOUT: tl.constexpr):
+    """Byte offsets of scales (rows[:, None], blocks[None, :]) in a layout with padded_blocks
+    blocks per row (the formulas of kernels.reference.scale_offsets)."""
+    rows = rows.to(tl.int64)[:, None]
+    blocks = blocks.to(tl.int64)[None, :]
+    k_tiles = padded_blocks // 4
+    if LAYOUT == 0:  # linear
+        return rows * padded_blocks + blocks
+    elif LAYOUT == 1:  # swizzled_128x4
+        return ((rows // 128) * k_tiles * 512 + (blocks // 4) * 512 + (rows % 32) * 16
+                + ((rows % 128) // 32) * 4 + blocks % 4)
+    else:  # 8x4
+        return (rows // 8) * k_tiles * 32 + (blocks // 4) * 32 + (rows % 8) * 4 + blocks % 4
+
+
+@triton.jit
+def _pack_pairs(codes, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[BLOCK_ROWS, COLS] int32 codes -> [BLOCK_ROWS, COLS/2] uint8, element 2i low nibble."""
+    pairs = tl.reshape(codes, (BLOCK_ROWS, COLS // 2, 2))
+    low, high = tl.split(pairs)
+    return (low | (high << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _load_tile(x_ptr, rows_ptr, row_start, col_start, num_rows, num_src_rows, hidden,
+               stride_row, stride_col, HAS_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               COLS: tl.constexpr):
+    """Rows [row_start, +BLOCK_ROWS) (gathered through rows_ptr when HAS_ROWS; a gathered id
+    outside [0, num_src_rows) reads zeros) and columns [col_start, +COLS) of x as fp32."""
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    cols = col_start + tl.arange(0, COLS)
+    row_ok = rows < num_rows
+    if HAS_ROWS:
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        row_ok = row_ok & (src >= 0) & (src < num_src_rows)
+    else:
+        src = rows.to(tl.int64)
+    mask = row_ok[:, None] & (cols < hidden)[None, :]
+    x = tl.load(x_ptr + src[:, None] * stride_row + cols[None, :].to(tl.int64) * stride_col,
+                mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+# =============================================================================================
+# Kernels
+# =============================================================================================
+
+@triton.jit
+def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_ptr,
+                           num_rows, num_src_rows, hidden, stride_row, stride_col,
+                           padded_rows, padded_blocks,
+                           HAS_ROWS: tl.constexpr, LAYOUT: tl.constexpr,
+                           FAST_MATH: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                           BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+    COLS: tl.constexpr = BLOCKS * 16
+    row_start = tl.program_id(0) * BLOCK_ROWS
+    block_start = tl.program_id(1) * BLOCKS
+    x = _load_tile(x_ptr, rows_ptr, row_start, block_start * 16, num_rows, num_src_rows,
+                   hidden, stride_row, stride_col, HAS_ROWS, BLOCK_ROWS, COLS)
+    x = tl.reshape(x, (BLOCK_ROWS, BLOCKS, 16))
+    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_ROWS, BLOCKS]
+    global_scale = tl.load(global_scale_ptr)
+    if FAST_MATH:  # FlashInfer's default: sf = e4m3(gs * (a * rcp(6))), 1 / x = rcp(x)
+        sf_value = global_scale * (amax * _rcp_approx(tl.full(amax.shape, 6.0, tl.float32)))
+    else:  # IEEE: sf = e4m3(a * (gs * f32(1/6)))
+        sf_value = amax * (global_scale * _INV6)
+    sf = _e4m3_code(sf_value, HARDWARE_E4M3)
+    sf_float = _e4m3_value(sf)
+    if FAST_MATH:
+        decode = _rcp_approx(tl.full(amax.shape, 1.0, tl.float32) * global_scale)
+        out_scale = _rcp_approx(sf_float * decode)
+    else:
+        decode = tl.math.div_rn(1.0, global_scale)
+        out_scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
+                                              sf_float * decode),
+                               _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    out_scale = tl.where(amax == 0, 0.0, out_scale)
+    codes = _e2m1_code(x * out_scale[:, :, None])
+    packed = _pack_pairs(tl.reshape(codes, (BLOCK_ROWS, COLS)), BLOCK_ROWS, COLS)
+
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    half_cols = block_start * 8 + tl.arange(0, COLS // 2)
+    out_mask = (rows < num_rows)[:, None] & (half_cols < hidden // 2)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * (hidden // 2) + half_cols[None, :], packed,
+             mask=out_mask)
+    # Scales: rows up to the padded row count, blocks up to the padded block count; the
+    # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
+    blocks = block_start + tl.arange(0, BLOCKS)
+    sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
+    tl.store(scales_ptr + _scale_offsets(rows, blocks, padded_blocks, LAYOUT), sf.to(tl.uint8),
+             mask=sf_mask)
+
+
+@triton.jit
+def _mx_quantize_kernel(x_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_row, stride_col,
+                        FP4: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+    COLS: tl.constexpr = BLOCKS * 32
+    row_start = tl.program_id(0) * BLOCK_ROWS
+    block_start = tl.program_id(1) * BLOCKS
+    x = _load_tile(x_ptr, x_ptr, row_start, block_start * 32, num_rows, num_rows, hidden,
+                   stride_row, stride_col, False, BLOCK_ROWS, COLS)
+    x = tl.reshape(x, (BLOCK_ROWS, BLOCKS, 32))
+    amax = tl.max(tl.abs(x), axis=2)
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    row_ok = (rows < num_rows)[:, None]
+    if FP4:  # e8m0(a * f32(1/6)); scale 0 for a zero block, 1 for code 0
+        sf = _e8m0_code(amax * _INV6)
+        out_scale = tl.where(sf == 0, 1.0, _e8m0_inverse(sf))
+        out_scale = tl.where(amax == 0, 0.0, out_scale)
+        codes = _e2m1_code(x * out_scale[:, :, None])
+        packed = _pack_pairs(tl.reshape(codes, (BLOCK_ROWS, COLS)), BLOCK_ROWS, COLS)
+        half_cols = block_start * 16 + tl.arange(0, COLS // 2)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * (hidden // 2) + half_cols[None, :],
+                 packed, mask=row_ok & (half_cols < hidden // 2)[None, :])
+    else:  # e8m0(a * f32(1/448)); code 0 scales by 0; clamp to +-448, NaN -> +448
+        sf = _e8m0_code(amax * _INV448)
+        out_scale = tl.where(sf == 0, 0.0, _e8m0_inverse(sf))
+        y = x * out_scale[:, :, None]
+        y = tl.where(y != y, _E4M3_MAX, tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX))
+        codes = _e4m3_code(y, HARDWARE_E4M3).to(tl.uint8)
+        cols = block_start * 32 + tl.arange(0, COLS)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+                 tl.reshape(codes, (BLOCK_ROWS, COLS)), mask=row_ok & (cols < hidden)[None, :])
+    blocks = block_start + tl.arange(0, BLOCKS)
+    num_blocks = hidden // 32
+    tl.store(scales_ptr + rows.to(tl.int64)[:, None] * num_blocks + blocks[None, :],
+             sf.to(tl.uint8), mask=row_ok & (blocks < num_blocks)[None, :])
+
+
+@triton.jit
+def _global_scale_kernel(x_ptr, workspace_ptr, out_ptr, num_rows, hidden, stride_row,
+                         stride_col, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """One pass: each program folds the amax of its tile into workspace[0] (atomic max on the
+    fp32 bits: non-negative floats order like their bits), then counts itself in workspace[1];
+    the program that counts last reads the total and writes 448 * 6 / amax (1.0 for 0).
+    Deterministic: max does not depend on the order of the atomics."""
+    x = _load_tile(x_ptr, x_ptr, tl.program_id(0) * BLOCK_ROWS, tl.program_id(1) * COLS,
+                   num_rows, num_rows, hidden, stride_row, stride_col, False, BLOCK_ROWS, COLS)
+    tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    tl.atomic_max(workspace_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
+    done = tl.atomic_add(workspace_ptr + 1, 1, sem="acq_rel")
+    is_last = done == tl.num_programs(0) * tl.num_programs(1) - 1
+    amax = tl.atomic_max(workspace_ptr, 0, mask=is_last, sem="acquire")
+    amax = amax.to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(tl.full((), _GLOBAL_NUMERATOR, tl.float32), amax)
+    tl.store(out_ptr, tl.where(amax == 0, 1.0, scale), mask=is_last)
+
+
+@triton.jit
+def _scale_layout_kernel(src_ptr, dst_ptr, num_rows, num_blocks, padded_blocks,
+                         cover_rows, cover_blocks, LAYOUT: tl.constexpr,
+                         SWIZZLE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                         BLOCKS: tl.constexpr):
+    """SWIZZLE: linear [num_rows, num_blocks] -> layout (padding written as 0); else the
+    inverse. cover_rows/cover_blocks: the index range the grid covers."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    inside = (rows < num_rows)[:, None] & (blocks < num_blocks)[None, :]
+    covered = (rows < cover_rows)[:, None] & (blocks < cover_blocks)[None, :]
+    linear = rows.to(tl.int64)[:, None] * num_blocks + blocks[None, :]
+    swizzled = _scale_offsets(rows, blocks, padded_blocks, LAYOUT)
+    if SWIZZLE:
+        values = tl.load(src_ptr + linear, mask=inside, other=0)
+        tl.store(dst_ptr + swizzled, values, mask=covered)
+    else:
+        tl.store(dst_ptr + linear, tl.load(src_ptr + swizzled, mask=inside), mask=inside)
+
+
+@triton.jit
+def _dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_rows, hidden,
+                       padded_blocks, FORMAT: tl.constexpr, LAYOUT: tl.constexpr,
+                       BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """FORMAT 0: NVFP4 (e2m1 * e4m3 * 1/gs), 1: MXFP4 (e2m1 * 2^(c-127)),
+    2: MXFP8 (e4m3 * 2^(c-127))."""
+    COLS: tl.constexpr = BLOCKS * BLOCK
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    row_ok = (rows < num_rows)[:, None]
+    mask = row_ok & (cols < hidden)[None, :]
+    block_mask = row_ok & (blocks < hidden // BLOCK)[None, :]
+    sf = tl.load(scales_ptr + _scale_offsets(rows, blocks, padded_blocks, LAYOUT),
+                 mask=block_mask, other=0).to(tl.int32)
+    if FORMAT == 2:
+        codes = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
+                        mask=mask, other=0).to(tl.int32)
+        values = _e4m3_value(codes)
+    else:
+        # byte i of a row holds elements 2i (low nibble) and 2i + 1 (high nibble)
+        byte = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * (hidden // 2)
+                       + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        codes = tl.where((cols % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+        magnitude_code = codes & 0x7
+        # 0, .5, 1, 1.5, 2, 3, 4, 6: code / 2 below 4, then 3, 4, 6
+        magnitude = tl.where(magnitude_code < 5, magnitude_code.to(tl.float32) * 0.5,
+                             tl.where(magnitude_code == 5, 3.0,
+                                      tl.where(magnitude_code == 6, 4.0, 6.0)))
+        values = tl.where(codes >= 8, -magnitude, magnitude)
+    values = tl.reshape(values, (BLOCK_ROWS, BLOCKS, BLOCK))
+    if FORMAT == 0:
+        decode = tl.math.div_rn(1.0, tl.load(global_scale_ptr))
+        out = (values * _e4m3_value(sf)[:, :, None]) * decode
+    else:
+        out = values * _e8m0_value(sf)[:, :, None]
+    out = tl.reshape(out, (BLOCK_ROWS, COLS))
+    if out_ptr.dtype.element_ty != tl.float32:  # round once, to nearest even, like torch
+        out = out.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], out, mask=mask)
+
+
+# =============================================================================================
+# Launchers
+# =============================================================================================
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _hardware_e4m3(device: torch.device) -> bool:
+    return _HARDWARE_E4M3 and device.type == "cuda" and not _interpreting()
+
+
+def _tile(num_blocks: int, block: int) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCKS) of the fixed launch rule for rows of ``num_blocks`` blocks."""
+    blocks = min(MAX_BLOCKS_PER_PROGRAM, triton.next_power_of_2(max(num_blocks, 1)))
+    return max(1, TILE_ELEMENTS // (blocks * block)), blocks
+
+
+def _check_out(name: str, out: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, out, dtype=dtype, device=device, contiguous=True)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(out.shape)}; this call writes {tuple(shape)}")
+    return out
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 global encode scale ``448 * 6 / amax(x)``: [1] fp32, 1.0 when amax(x) == 0.
+
+    x: [M, H] bf16/fp16/fp32 (any strides). One read of x (plus a 2-word zeroed workspace);
+    the division is IEEE. Deterministic (max is order-independent).
+    """
+    check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
+    num_rows, hidden = x.shape
+    out = torch.ones(1, dtype=torch.float32, device=x.device)  # stays 1.0 when M*H == 0
+    cols = min(AMAX_TILE_COLS, triton.next_power_of_2(max(hidden, 1)))
+    block_rows = AMAX_TILE_ELEMENTS // cols
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, cols))
+    if grid[0] * grid[1]:
+        workspace = torch.zeros(2, dtype=torch.int32, device=x.device)  # [amax bits, count]
+        _global_scale_kernel[grid](x, workspace, out, num_rows, hidden, x.stride(0),
+                                   x.stride(1), BLOCK_ROWS=block_rows, COLS=cols,
+                                   num_warps=AMAX_NUM_WARPS, enable_fp_fusion=False)
+    return out
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str = "linear",
+                   fast_math: bool = False, out: Optional[torch.Tensor] = None,
+                   out_scales: Optional[torch.Tensor] = None,
+                   rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_nvfp4``.
+
+    x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides.
+    global_scale: [1] fp32 encode scale on x's device (read by the kernel, no sync).
+    layout: "linear", "swizzled_128x4" or "8x4"; the kernel writes this layout directly and
+        zeroes its padding.
+    fast_math: FlashInfer's default recipe with rcp.approx.ftz.f32 (GPU only).
+    out: optional [M', H/2] uint8 buffer; out_scales: optional scale buffer of the layout's
+        shape ([M', H/16], or [Mp, Kp] from ``swizzled_scale_shape``), uint8, contiguous.
+    rows: optional [M'] int32/int64 row ids: quantize x[rows] (M' = len(rows), else M' = M).
+        Ids outside [0, M) are not checked (that would sync); they read as zero rows.
+    Returns (packed [M', H/2] uint8, element 2i in the low nibble; scales uint8 e4m3 bits).
+    """
+    _check_quant_input(x, NVFP4_BLOCK)
+    _check_layout(layout)
+    _check_global_scale(global_scale, x.device)
+    if fast_math and (x.device.type != "cuda" or _interpreting()):
+        raise NotImplementedError(
+            "fast_math=True needs the GPU instruction rcp.approx.ftz.f32 (inline PTX), which "
+            "Triton's interpreter cannot run; use fast_math=False, or a CUDA tensor")
+    if rows is not None:
+        check_tensor("rows", rows, dtype=(torch.int32, torch.int64), ndim=1, device=x.device,
+                     contiguous=True)
+    num_src_rows, hidden = x.shape
+    num_rows = rows.numel() if rows is not None else num_src_rows
+    num_blocks = hidden // NVFP4_BLOCK
+    padded_rows, padded_blocks = swizzled_scale_shape(num_rows, num_blocks, layout)
+    out = _check_out("out", out, (num_rows, hidden // 2), torch.uint8, x.device)
+    out_scales = _check_out("out_scales", out_scales, (padded_rows, padded_blocks), torch.uint8,
+                            x.device)
+    block_rows, blocks = _tile(padded_blocks, NVFP4_BLOCK)
+    grid = (triton.cdiv(padded_rows, block_rows), triton.cdiv(padded_blocks, blocks))
+    if grid[0] * grid[1] == 0:
+        return out, out_scales
+    _nvfp4_quantize_kernel[grid](
+        x, rows if rows is not None else x, global_scale, out, out_scales,
+        num_rows, num_src_rows, hidden, x.stride(0), x.stride(1), padded_rows, padded_blocks,
+        HAS_ROWS=rows is not None, LAYOUT=LAYOUT_IDS[layout], FAST_MATH=fast_math,
+        HARDWARE_E4M3=_hardware_e4m3(x.device), BLOCK_ROWS=block_rows, BLOCKS=blocks,
+        num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return out, out_scales
+
+
+def _quantize_mx(x: torch.Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_quant_input(x, MX_BLOCK)
+    num_rows, hidden = x.shape
+    values = torch.empty((num_rows, hidden // 2 if fp4 else hidden), dtype=torch.uint8,
+                         device=x.device)
+    scales = torch.empty((num_rows, hidden // MX_BLOCK), dtype=torch.uint8, device=x.device)
+    block_rows, blocks = _tile(hidden // MX_BLOCK, MX_BLOCK)
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // MX_BLOCK, blocks))
+    if grid[0] * grid[1]:
+        _mx_quantize_kernel[grid](x, values, scales, num_rows, hidden, x.stride(0), x.stride(1),
+                                  FP4=fp4, HARDWARE_E4M3=_hardware_e4m3(x.device),
+                                  BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=NUM_WARPS,
+                                  enable_fp_fusion=False)
+    return values, scales
+
+
+def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_mxfp8``.
+
+    x: [M, H] bf16/fp16/fp32, H % 32 == 0. Returns (values [M, H] float8_e4m3fn,
+    scales [M, H/32] uint8 e8m0).
+    """
+    values, scales = _quantize_mx(x, fp4=False)
+    return values.view(torch.float8_e4m3fn), scales
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_mxfp4``.
+
+    x: [M, H] bf16/fp16/fp32, H % 32 == 0. Returns (packed [M, H/2] uint8, element 2i in the
+    low nibble; scales [M, H/32] uint8 e8m0).
+    """
+    return _quantize_mx(x, fp4=True)
+
+
+def _relayout(src: torch.Tensor, dst: torch.Tensor, layout: str, num_rows: int,
+              num_blocks: int, swizzle: bool) -> torch.Tensor:
+    padded_rows, padded_blocks = swizzled_scale_shape(num_rows, num_blocks, layout)
+    cover_rows, cover_blocks = (padded_rows, padded_blocks) if swizzle else (num_rows,
+                                                                             num_blocks)
+    block_rows, blocks = 32, 32
+    grid = (triton.cdiv(cover_rows, block_rows), triton.cdiv(cover_blocks, blocks))
+    if grid[0] * grid[1]:
+        _scale_layout_kernel[grid](src, dst, num_rows, num_blocks, padded_blocks, cover_rows,
+                                   cover_blocks, LAYOUT=LAYOUT_IDS[layout], SWIZZLE=swizzle,
+                                   BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=NUM_WARPS)
+    return dst
+
+
+def swizzle_scales(sf: torch.Tensor, layout: str) -> torch.Tensor:
+    """Linear block scales [M, K] uint8 -> [Mp, Kp] uint8 in ``layout``, padding zero (see
+    ``kernels.reference.swizzle_scales``)."""
+    check_tensor("sf", sf, dtype=torch.uint8, ndim=2, contiguous=True)
+    _check_layout(layout)
+    num_rows, num_blocks = sf.shape
+    out = torch.empty(swizzled_scale_shape(num_rows, num_blocks, layout), dtype=torch.uint8,
+                      device=sf.device)
+    return _relayout(sf, out, layout, num_rows, num_blocks, swizzle=True)
+
+
+def unswizzle_scales(sf_swizzled: torch.Tensor, layout: str, num_rows: int,
+                     num_blocks: int) -> torch.Tensor:
+    """[Mp, Kp] (or flat) uint8 scales in ``layout`` -> [num_rows, num_blocks] linear."""
+    check_tensor("sf_swizzled", sf_swizzled, dtype=torch.uint8, contiguous=True)
+    _check_layout(layout)
+    padded_rows, padded_blocks = swizzled_scale_shape(num_rows, num_blocks, layout)
+    if sf_swizzled.numel() != padded_rows * padded_blocks:
+        raise ValueError(f"sf_swizzled has {sf_swizzled.numel()} bytes; layout={layout!r} with "
+                         f"{num_rows} rows and {num_blocks} blocks needs "
+                         f"{padded_rows} x {padded_blocks} = {padded_rows * padded_blocks}")
+    out = torch.empty((num_rows, num_blocks), dtype=torch.uint8, device=sf_swizzled.device)
+    return _relayout(sf_swizzled, out, layout, num_rows, num_blocks, swizzle=False)
+
+
+def _dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block):
+    num_rows = packed.shape[0]
+    padded_blocks = swizzled_scale_shape(num_rows, hidden // block, layout)[1]
+    out = torch.empty((num_rows, hidden), dtype=dtype, device=packed.device)
+    block_rows, blocks = _tile(hidden // block, block)
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // block, blocks))
+    if grid[0] * grid[1]:
+        _dequantize_kernel[grid](packed, scales, global_scale, out, num_rows, hidden,
+                                 padded_blocks, FORMAT=fmt, LAYOUT=LAYOUT_IDS[layout],
+                                 BLOCK_ROWS=block_rows, BLOCKS=blocks, BLOCK=block,
+                                 num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return out
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
+                     layout: str = "linear", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[M, H/2] uint8 codes, scales in ``layout``, [1] fp32 encode scale -> [M, H] ``dtype``,
+    ``(e2m1 * f32(sf)) * (1 / gs)``; bit-exact to the reference."""
+    check_tensor("packed", packed, dtype=torch.uint8, ndim=2, contiguous=True)
+    check_tensor("scales", scales, dtype=torch.uint8, device=packed.device, contiguous=True)
+    _check_layout(layout)
+    _check_global_scale(global_scale, packed.device)
+    hidden = packed.shape[1] * 2
+    if hidden % NVFP4_BLOCK:
+        raise ValueError(f"packed has {packed.shape[1]} bytes per row; H = 2 * that must be a "
+                         f"multiple of {NVFP4_BLOCK}")
+    expected = swizzled_scale_shape(packed.shape[0], hidden // NVFP4_BLOCK, layout)
+    if scales.numel() != expected[0] * expected[1]:
+        raise ValueError(f"scales has {scales.numel()} bytes; layout={layout!r} needs "
+                         f"{expected[0]} x {expected[1]}")
+    return _dequantize(packed, scales, global_scale, layout, dtype, 0, hidden, NVFP4_BLOCK)
+
+
+def _check_mx_scales(scales: torch.Tensor, num_rows: int, hidden: int, device) -> None:
+    check_tensor("scales", scales, dtype=torch.uint8, ndim=2, device=device, contiguous=True)
+    if tuple(scales.shape) != (num_rows, hidden // MX_BLOCK):
+        raise ValueError(f"scales has shape {tuple(scales.shape)}; expected "
+                         f"{(num_rows, hidden // MX_BLOCK)} (one e8m0 per {MX_BLOCK} elements)")
+
+
+def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[M, H] float8_e4m3fn (or uint8 bits), [M, H/32] e8m0 -> [M, H] ``dtype``."""
+    check_tensor("values", values, dtype=(torch.float8_e4m3fn, torch.uint8), ndim=2,
+                 contiguous=True)
+    _check_mx_scales(scales, values.shape[0], values.shape[1], values.device)
+    return _dequantize(values.view(torch.uint8), scales, scales, "linear", dtype, 2,
+                       values.shape[1], MX_BLOCK)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[M, H/2] uint8 codes, [M, H/32] e8m0 -> [M, H] ``dtype``."""
+    check_tensor("packed", packed, dtype=torch.uint8, ndim=2, contiguous=True)
+    _check_mx_scales(scales, packed.shape[0], packed.shape[1] * 2, packed.device)
+    return _dequantize(packed, scales, scales, "linear", dtype, 1, packed.shape[1] * 2,
+                       MX_BLOCK)

@@ -1,0 +1,269 @@
+"""Triton NVFP4 / MXFP8 / MXFP4 kernels against the torch oracle, bit-exactly; the a2a stage
+functions and FlashInfer adapters (GPU / Blackwell only)."""
+
+import os
+
+import pytest
+import torch
+
+from a2a import quantize as A
+from a2a.backends import BackendUnavailable
+from kernels import quantize as Q
+from kernels import reference as R
+from tests.support import assert_close
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _hard_input(num_rows: int, hidden: int, dtype, device) -> torch.Tensor:
+    """Random rows plus the cases that break roundings: a zero block, a tiny block whose e4m3
+    scale underflows, a block with a huge outlier (saturation), exact e2m1 ties after scaling
+    (amax 6 with gs = 1 gives scale 1), negative zeros."""
+    x = torch.randn(num_rows, hidden) * 3
+    if num_rows >= 4:
+        x[0, :16] = 0.0
+        x[1, :16] = 1e-4 * torch.randn(16)
+        x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)
+        x[3, :16] = -0.0
+        if hidden >= 32:
+            x[3, 16:32] = torch.linspace(-7, 7, 16)
+    return x.to(dtype).to(device)
+
+
+def _assert_same(actual, expected):
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert torch.equal(a.view(torch.uint8), e.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows,hidden", [(0, 16), (1, 48), (7, 16), (129, 48), (300, 16)])
+def test_nvfp4_matches_reference(device, seed, dtype, num_rows, hidden):
+    x = _hard_input(num_rows, hidden, dtype, device)
+    for global_scale in (R.nvfp4_global_scale(x), torch.ones(1, device=device)):
+        for layout in R.SCALE_LAYOUTS:
+            _assert_same(Q.quantize_nvfp4(x, global_scale, layout=layout),
+                         R.quantize_nvfp4(x, global_scale, layout=layout))
+
+
+@pytest.mark.parametrize("num_rows", [127, 128])
+def test_nvfp4_rows_at_tile_edges(device, seed, num_rows):
+    x = _hard_input(num_rows, 48, torch.bfloat16, device)
+    gs = R.nvfp4_global_scale(x)
+    for layout in R.SCALE_LAYOUTS:
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+                     R.quantize_nvfp4(x, gs, layout=layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_global_scale_matches_reference(device, seed, dtype):
+    for shape in [(7, 48), (300, 16), (0, 16)]:
+        x = _hard_input(*shape, dtype, device)
+        assert torch.equal(Q.nvfp4_global_scale(x), R.nvfp4_global_scale(x))
+    assert Q.nvfp4_global_scale(torch.zeros(5, 32, device=device)).tolist() == [1.0]
+
+
+def test_rows_gather_out_buffers_and_padding(device, seed):
+    x = _hard_input(40, 48, torch.bfloat16, device)
+    gs = R.nvfp4_global_scale(x)
+    rows = torch.tensor([39, 0, 3, 3, 17], dtype=torch.int64, device=device)
+    for layout in R.SCALE_LAYOUTS:
+        shape = R.swizzled_scale_shape(5, 3, layout)
+        out = torch.full((5, 24), 0xAB, dtype=torch.uint8, device=device)  # poisoned
+        out_scales = torch.full(shape, 0xAB, dtype=torch.uint8, device=device)
+        packed, scales = Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales,
+                                          rows=rows.to(torch.int32))
+        assert packed.data_ptr() == out.data_ptr() and scales.data_ptr() == out_scales.data_ptr()
+        # the reference on the gathered rows; its padding is zero, so ours must be too
+        _assert_same((packed, scales), R.quantize_nvfp4(x[rows.cpu()], gs, layout=layout))
+
+
+def test_non_contiguous_input(device, seed):
+    x = _hard_input(16, 96, torch.float16, device)[:, ::2]
+    gs = R.nvfp4_global_scale(x)
+    _assert_same(Q.quantize_nvfp4(x, gs), R.quantize_nvfp4(x.contiguous(), gs))
+    assert torch.equal(Q.nvfp4_global_scale(x), gs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [0, 7, 129])
+def test_mx_match_reference(device, seed, dtype, num_rows):
+    x = _hard_input(num_rows, 64, dtype, device)
+    _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
+    _assert_same(Q.quantize_mxfp4(x), R.quantize_mxfp4(x))
+
+
+def test_dequantize_and_swizzle_match_reference(device, seed):
+    x = _hard_input(130, 64, torch.bfloat16, device)
+    gs = R.nvfp4_global_scale(x)
+    linear = R.quantize_nvfp4(x, gs)
+    for layout in R.SCALE_LAYOUTS:
+        packed, scales = R.quantize_nvfp4(x, gs, layout=layout)
+        assert torch.equal(Q.dequantize_nvfp4(packed, scales, gs, layout=layout),
+                           R.dequantize_nvfp4(packed, scales, gs, layout=layout))
+        # bf16 output: the GPU rounds fp32 -> bf16 to nearest even (exact match); Triton's
+        # interpreter rounds half up and drops the sign of zero, so on CPU: the bf16 tolerance.
+        ours = Q.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=torch.bfloat16)
+        theirs = R.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=torch.bfloat16)
+        if device.type == "cuda":
+            assert torch.equal(ours, theirs)
+        else:
+            assert_close(ours, theirs)
+        poisoned = Q.swizzle_scales(linear[1], layout)
+        assert torch.equal(poisoned, scales)
+        assert torch.equal(Q.unswizzle_scales(scales, layout, 130, 4), linear[1])
+    assert torch.equal(Q.dequantize_mxfp8(*R.quantize_mxfp8(x)),
+                       R.dequantize_mxfp8(*R.quantize_mxfp8(x)))
+    assert torch.equal(Q.dequantize_mxfp4(*R.quantize_mxfp4(x)),
+                       R.dequantize_mxfp4(*R.quantize_mxfp4(x)))
+
+
+def test_errors(device):
+    x = torch.zeros(4, 32, dtype=torch.bfloat16, device=device)
+    gs = torch.ones(1, device=device)
+    with pytest.raises(ValueError, match="H=40"):
+        Q.quantize_nvfp4(torch.zeros(4, 40, device=device), gs)
+    with pytest.raises(TypeError, match="x must be"):
+        Q.quantize_nvfp4(x.to(torch.int32), gs)
+    with pytest.raises(ValueError, match="1 element"):
+        Q.quantize_nvfp4(x, torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="out has shape"):
+        Q.quantize_nvfp4(x, gs, out=torch.empty(4, 8, dtype=torch.uint8, device=device))
+    with pytest.raises(TypeError, match="out_scales must be"):
+        Q.quantize_nvfp4(x, gs, out_scales=torch.empty(4, 2, device=device))
+    with pytest.raises(TypeError, match="rows must be"):
+        Q.quantize_nvfp4(x, gs, rows=torch.zeros(2, device=device))
+    with pytest.raises(ValueError, match="H=48"):
+        Q.quantize_mxfp4(torch.zeros(2, 48, device=device))
+    if device.type == "cpu":
+        with pytest.raises(NotImplementedError, match="rcp.approx"):
+            Q.quantize_nvfp4(x, gs, fast_math=True)
+
+
+def test_stage_function_dispatch(device, seed):
+    x = _hard_input(9, 64, torch.bfloat16, device)
+    gs = A.nvfp4_global_scale(x, backend="torch")
+    for backend in ("triton", "torch", None):
+        _assert_same(A.quantize_nvfp4(x, gs, layout="swizzled_128x4", backend=backend),
+                     R.quantize_nvfp4(x, gs, layout="swizzled_128x4"))
+        _assert_same(A.quantize_mxfp8(x, backend=backend), R.quantize_mxfp8(x))
+        _assert_same(A.quantize_mxfp4(x, backend=backend), R.quantize_mxfp4(x))
+    if device.type == "cpu":
+        with pytest.raises(BackendUnavailable, match="SM100"):
+            A.quantize_nvfp4(x, gs, backend="flashinfer")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 129, 8192])
+def test_gpu_large_bit_exact(seed, dtype, num_rows):
+    x = _hard_input(num_rows, 7168, dtype, "cuda")
+    gs = Q.nvfp4_global_scale(x)
+    assert torch.equal(gs, R.nvfp4_global_scale(x))
+    for layout in R.SCALE_LAYOUTS:
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+                     R.quantize_nvfp4(x, gs, layout=layout))
+    _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
+    _assert_same(Q.quantize_mxfp4(x), R.quantize_mxfp4(x))
+
+
+@pytest.mark.gpu
+def test_gpu_software_e4m3_path(seed, monkeypatch):
+    monkeypatch.setattr(Q, "_HARDWARE_E4M3", False)
+    x = _hard_input(300, 7168, torch.bfloat16, "cuda")
+    gs = R.nvfp4_global_scale(x)
+    _assert_same(Q.quantize_nvfp4(x, gs), R.quantize_nvfp4(x, gs))
+    _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic(seed):
+    x = _hard_input(4096, 7168, torch.bfloat16, "cuda")
+    first = (Q.nvfp4_global_scale(x),) + Q.quantize_nvfp4(x, Q.nvfp4_global_scale(x),
+                                                          layout="swizzled_128x4")
+    for _ in range(3):
+        again = (Q.nvfp4_global_scale(x),) + Q.quantize_nvfp4(x, Q.nvfp4_global_scale(x),
+                                                              layout="swizzled_128x4")
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+def test_gpu_fast_math_close_to_ieee(seed):
+    """rcp.approx has <= 1 ulp error, so the fast recipe's scale input and out_scale differ
+    from the IEEE ones by a few ulp: a scale code may differ only where its input lies within
+    4 ulp of an e4m3 rounding boundary, and an element code only where x * out_scale lies
+    within 4 ulp of an e2m1 boundary (recomputed here from the IEEE values)."""
+    x = _hard_input(512, 7168, torch.bfloat16, "cuda")
+    gs = R.nvfp4_global_scale(x)
+    fast_packed, fast_sf = Q.quantize_nvfp4(x, gs, fast_math=True)
+    ieee_packed, ieee_sf = Q.quantize_nvfp4(x, gs)
+    amax = x.float().reshape(512, -1, 16).abs().amax(-1)
+    sf_in = amax * (gs * torch.tensor(1 / 6, device="cuda"))
+    near = (R.e4m3_code(sf_in * (1 + 2 ** -21)) != R.e4m3_code(sf_in * (1 - 2 ** -21)))
+    assert torch.equal(fast_sf[~near], ieee_sf[~near])
+    assert (fast_sf != ieee_sf).float().mean() < 1e-3
+    same_sf = (fast_sf == ieee_sf).repeat_interleave(8, dim=1)
+    diff = (fast_packed != ieee_packed) & same_sf
+    assert diff.float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_rcp_approx_constants_equal_ieee():
+    """Our MX reference uses f32(1/6) and f32(1/448) where FlashInfer uses rcp.approx.ftz;
+    they must be equal for bit-exactness."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rcp_kernel(x_ptr, y_ptr):
+        offsets = tl.arange(0, 2)
+        tl.store(y_ptr + offsets, Q._rcp_approx(tl.load(x_ptr + offsets)))
+
+    x = torch.tensor([6.0, 448.0], device="cuda")
+    y = torch.empty(2, device="cuda")
+    rcp_kernel[(1,)](x, y)
+    assert y.tolist() == [Q.INV_E2M1_MAX, Q.INV_E4M3_MAX]
+
+
+@pytest.mark.gpu
+def test_gpu_swizzle_matches_flashinfer(seed):
+    pytest.importorskip("flashinfer")
+    sf = torch.randint(0, 256, (300, 448), dtype=torch.uint8, device="cuda")
+    ours = A.swizzle_scales(sf, "swizzled_128x4", backend="triton")
+    theirs = A.swizzle_scales(sf, "swizzled_128x4", backend="flashinfer")
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours, R.swizzle_scales(sf, "swizzled_128x4"))
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_quantize_refused_below_sm100():
+    major = torch.cuda.get_device_capability()[0]
+    if major >= 10:
+        pytest.skip("Blackwell runs FlashInfer's quantize; nothing to refuse")
+    x = torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(BackendUnavailable, match="SM100"):
+        A.quantize_nvfp4(x, torch.ones(1, device="cuda"), backend="flashinfer")
+    with pytest.raises(BackendUnavailable, match="SM100"):
+        A.quantize_mxfp8(x, backend="flashinfer")
+
+
+@pytest.mark.sm100
+@pytest.mark.parametrize("fast_math", [False, True])
+@pytest.mark.parametrize("layout", R.SCALE_LAYOUTS)
+def test_sm100_nvfp4_matches_flashinfer(seed, fast_math, layout):
+    x = torch.randn(300, 7168, device="cuda").to(torch.bfloat16)
+    gs = Q.nvfp4_global_scale(x)
+    _assert_same(A.quantize_nvfp4(x, gs, layout=layout, fast_math=fast_math, backend="triton"),
+                 A.quantize_nvfp4(x, gs, layout=layout, fast_math=fast_math,
+                                  backend="flashinfer"))
+
+
+@pytest.mark.sm100
+def test_sm100_mx_match_flashinfer(seed):
+    x = torch.randn(300, 7168, device="cuda").to(torch.bfloat16)
+    _assert_same(A.quantize_mxfp8(x, backend="triton"), A.quantize_mxfp8(x, backend="flashinfer"))
+    _assert_same(A.quantize_mxfp4(x, backend="triton"), A.quantize_mxfp4(x, backend="flashinfer"))
