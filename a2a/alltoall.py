@@ -1,0 +1,421 @@
+"""``MoEAlltoall``: the EP all-to-all of one MoE layer over a process group.
+
+One object per (group, layer shape). It owns the backends of two stages, each resolved once at
+construction through ``a2a.backends.resolve``:
+
+``prepare``   who sends which token where (an :class:`AlltoallPlan`):
+              ``"triton"``      ``a2a.triton_prepare`` on a peer-mapped workspace (GPU);
+              ``"flashinfer"``  FlashInfer's ``moe_prepare`` on a peer-mapped workspace (GPU);
+              ``"torch"``       ``kernels.reference.local_send_plan`` + torch.distributed
+                                collectives (gloo on CPU, NCCL on GPU).
+``transport`` moving rows (dispatch) and returning them (combine):
+              ``"flashinfer"``  FlashInfer's ``moe_comm`` over an MNNVL FIFO workspace;
+              ``"torch"``       ``all_to_all_single`` with the plan's counts.
+and, for ``dispatch(quant=...)``, the ``quantize`` stage. Any prepare works with any transport:
+the plan is the contract (design.md, "prepare contract").
+
+Combine's reduction over k is defined once, here: the returned rows are scattered into zeros
+``[T*k, H]`` (FlashInfer's layout) and summed over k in float32, rounded once to the payload
+dtype, so the two transports give bit-identical results.
+
+Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, and freed by
+:meth:`MoEAlltoall.close`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from a2a.backends import BackendUnavailable, default_backends, resolve
+from kernels.types import AlltoallPlan
+from kernels.validate import check_expert_ids, check_tensor, check_top_k
+
+# Stages a MoEAlltoall runs, and the keys its ``backends`` dict may hold.
+STAGES = ("prepare", "transport", "quantize")
+# Payload dtypes that dispatch and combine take unquantized.
+PAYLOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+QUANT_FORMATS = ("nvfp4", "mxfp8")
+
+
+def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device whose tensors ``group`` moves: the current accelerator for NCCL, else CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+def sum_over_slots(scattered: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """Combine's reduction: [T*k, H] rows -> [T, H], summed over k in float32 in slot order and
+    rounded once to the dtype of ``scattered``."""
+    rows = scattered.view(num_tokens, top_k, scattered.shape[1])
+    return rows.sum(dim=1, dtype=torch.float32).to(scattered.dtype)
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """[M, C] contiguous -> [M, C * itemsize] uint8 view (transports move bytes)."""
+    return rows.view(torch.uint8)
+
+
+class MoEAlltoall:
+    """The dispatch / combine all-to-all of one MoE layer over ``ep_group``.
+
+    Collective: every rank of ``ep_group`` constructs it with the same arguments, and calls
+    ``prepare``, ``dispatch``, ``combine`` and ``close`` in the same order.
+
+    Args:
+        ep_group:            the expert-parallel process group (None = the default group);
+                             R = its size, this rank = its rank in it.
+        num_experts:         E, experts of the layer; must be a multiple of R.
+        top_k:               k, experts per token.
+        max_tokens_per_rank: N, the most tokens any rank passes to ``prepare`` (sizes buffers).
+        hidden_size:         H, the row length of dispatch's ``x`` and combine's ``expert_out``.
+        slot_count:          S >= E, slots (experts plus redundant copies), a multiple of R;
+                             default E. Placement: ``rank(slot) = slot // (S // R)``.
+        backends:            ``{"prepare": ..., "transport": ..., "quantize": ...}``, each
+                             ``"triton"``, ``"flashinfer"``, ``"torch"`` or ``"auto"``; missing
+                             keys take the default of ``MOE_A2A_BACKENDS`` (``a2a.backends``).
+        device:              where the inputs live; default the current GPU for an NCCL group,
+                             else the CPU.
+
+    Raises (on every rank, before anything is sent) when the ranks disagree on the
+    configuration, when one rank rejects it (E % R, FlashInfer's limits: E % 4 == 0 and
+    k <= 32, an unavailable backend), or when a backend cannot run here.
+
+    Attributes: ``ep_rank``, ``ep_size``, ``device``, ``backends`` (the resolved names).
+    """
+
+    def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, top_k: int,
+                 max_tokens_per_rank: int, hidden_size: int, *, slot_count: Optional[int] = None,
+                 backends: Optional[dict] = None, device: Optional[torch.device] = None):
+        self.group = ep_group
+        self.ep_rank = dist.get_rank(ep_group)
+        self.ep_size = dist.get_world_size(ep_group)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.hidden_size = hidden_size
+        self.slot_count = num_experts if slot_count is None else slot_count
+        self.device = torch.device(device) if device is not None else _default_device(ep_group)
+        requested = dict(backends or {})
+        self.backends: dict[str, str] = {}
+        error: Optional[Exception] = None
+        try:
+            self.backends = self._resolve_backends(requested)
+            self._check_config()
+        except (ValueError, TypeError, BackendUnavailable) as exc:
+            error = exc
+        config = (num_experts, top_k, max_tokens_per_rank, hidden_size, self.slot_count,
+                  tuple(sorted(self.backends.items())) or tuple(sorted(requested.items())))
+        everyone = [None] * self.ep_size
+        dist.all_gather_object(everyone, (config, None if error is None else repr(error)),
+                               group=ep_group)
+        if error is not None:
+            raise error
+        rejected = {rank: msg for rank, (_, msg) in enumerate(everyone) if msg is not None}
+        if rejected:
+            raise ValueError(f"MoEAlltoall: rank(s) {sorted(rejected)} rejected the "
+                             f"configuration: {rejected}")
+        if any(c != config for c, _ in everyone):
+            described = "; ".join(f"rank {rank}: {c}" for rank, (c, _) in enumerate(everyone))
+            raise ValueError(
+                "MoEAlltoall: the ranks disagree on (num_experts, top_k, max_tokens_per_rank, "
+                f"hidden_size, slot_count, backends): {described}. Construct it with the same "
+                "arguments (and MOE_A2A_BACKENDS) on every rank")
+        self._workspaces: dict = {}
+        self._prepare_calls = 0
+        self._closed = False
+
+    # -----------------------------------------------------------------------------------------
+    # Construction helpers
+    # -----------------------------------------------------------------------------------------
+
+    def _resolve_backends(self, requested: dict) -> dict[str, str]:
+        unknown = set(requested) - set(STAGES)
+        if unknown:
+            raise ValueError(f"backends has unknown stage(s) {sorted(unknown)}; the stages are "
+                             f"{STAGES}")
+        resolved = {stage: resolve(stage, requested.get(stage), self.device) for stage in STAGES}
+        if resolved["prepare"] == "triton" and self.device.type == "cpu":
+            # The Triton prepare stores into peer-mapped (MNNVL) memory: a GPU only, even
+            # under TRITON_INTERPRET=1.
+            if (requested.get("prepare") or default_backends()["prepare"]) != "auto":
+                raise BackendUnavailable(
+                    "prepare backend 'triton' cannot run here: the cross-rank Triton prepare "
+                    "stores into peer-mapped MNNVL memory, which needs a GPU; got device "
+                    f"{self.device}. Backends that can: torch (or 'auto')")
+            resolved["prepare"] = "torch"
+        return resolved
+
+    def _check_config(self) -> None:
+        for name, value in (("num_experts", self.num_experts),
+                            ("max_tokens_per_rank", self.max_tokens_per_rank),
+                            ("hidden_size", self.hidden_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_experts={self.num_experts} must be a multiple of the group "
+                             f"size {self.ep_size} (linear expert placement)")
+        if not isinstance(self.slot_count, int) or self.slot_count < self.num_experts \
+                or self.slot_count % self.ep_size:
+            raise ValueError(f"slot_count={self.slot_count!r} must be an int >= num_experts="
+                             f"{self.num_experts} and a multiple of the group size "
+                             f"{self.ep_size}; leave it None for S = E")
+        from kernels.reference import PREPARE_MAX_TOP_K
+        check_top_k(self.top_k, self.slot_count, limit=PREPARE_MAX_TOP_K,
+                    limit_reason="FlashInfer's moe_prepare and the contract")
+        if self.backends["prepare"] == "flashinfer":
+            from a2a.flashinfer_comm import check_flashinfer_prepare_limits
+            check_flashinfer_prepare_limits(self.num_experts, self.slot_count, self.top_k)
+
+    # -----------------------------------------------------------------------------------------
+    # State
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this MoEAlltoall is closed (its workspaces are freed); "
+                               "construct a new one")
+
+    def _workspace(self, kind: str) -> torch.Tensor:
+        """The [R, words] uint64 workspace of ``kind``, made on first use (collective)."""
+        if kind not in self._workspaces:
+            from a2a import workspace
+            if kind == "comm":
+                size = workspace.comm_workspace_bytes(self.ep_size)
+            elif kind == "flashinfer_prepare":
+                size = workspace.flashinfer_prepare_workspace_bytes(self.ep_size)
+            else:
+                size = workspace.triton_prepare_workspace_bytes(
+                    self.ep_size, self.max_tokens_per_rank, self.top_k, self.num_experts,
+                    self.slot_count)
+            self._workspaces[kind] = workspace.MnnvlWorkspace(self.group, size, self.device)
+        return self._workspaces[kind].tensor
+
+    def close(self) -> None:
+        """Free the workspaces (collective when it holds any); the object is unusable after.
+        Closing twice is a no-op."""
+        if self._closed:
+            return
+        self._closed = True
+        workspaces, self._workspaces = self._workspaces, {}
+        for kind in sorted(workspaces):
+            workspaces[kind].close()
+
+    def __enter__(self) -> "MoEAlltoall":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"MoEAlltoall(rank {self.ep_rank}/{self.ep_size}, E={self.num_experts}, "
+                f"k={self.top_k}, N={self.max_tokens_per_rank}, H={self.hidden_size}, "
+                f"S={self.slot_count}, backends={self.backends}"
+                f"{', closed' if self._closed else ''})")
+
+    # -----------------------------------------------------------------------------------------
+    # prepare
+    # -----------------------------------------------------------------------------------------
+
+    def prepare(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                sanitize: bool = False, check_inputs: bool = True) -> AlltoallPlan:
+        """Who sends which token where, and what each rank receives (collective).
+
+        topk_ids:     [T, k] int32 contiguous on ``device``, T <= N; slot ids in ``[0, S)``,
+                      or S for "no expert" (padding, sent nowhere).
+        topk_weights: [T, k] float32 contiguous, the routing weights.
+        sanitize:     map every id outside ``[0, S]`` (e.g. -1) to S instead of raising; such
+                      slots are sent nowhere and contribute nothing to combine.
+        check_inputs: range-check the ids (reads them: a host sync) and agree with the other
+                      ranks that every input is valid (one tiny all_reduce), so that a bad input
+                      raises on every rank before anything is sent; the Triton prepare also
+                      reads its timeout status and raises naming missing ranks. False skips
+                      all of it (for benchmarks and CUDA graphs); a bad id then gives a wrong
+                      plan or a hang.
+        Returns this rank's :class:`AlltoallPlan` (expert_counts [R, S] filled).
+        """
+        self._check_open()
+        error: Optional[Exception] = None
+        try:
+            topk_ids = self._checked_routing(topk_ids, topk_weights, sanitize, check_inputs)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        if check_inputs:
+            self._agree(error, "prepare")
+        elif error is not None:
+            raise error
+
+        backend = self.backends["prepare"]
+        if backend == "torch":
+            from a2a.torch_comm import torch_prepare
+            return torch_prepare(topk_ids, topk_weights, group=self.group,
+                                 num_experts=self.num_experts,
+                                 max_tokens_per_rank=self.max_tokens_per_rank,
+                                 slot_count=self.slot_count)
+        if backend == "flashinfer":
+            from a2a.flashinfer_comm import flashinfer_prepare
+            return flashinfer_prepare(topk_ids, topk_weights,
+                                      self._workspace("flashinfer_prepare"),
+                                      ep_rank=self.ep_rank, ep_size=self.ep_size,
+                                      max_tokens_per_rank=self.max_tokens_per_rank,
+                                      slot_count=self.slot_count)
+        from a2a.triton_prepare import triton_prepare
+        call_index = self._prepare_calls
+        self._prepare_calls += 1
+        return triton_prepare(topk_ids, topk_weights, self._workspace("triton_prepare"),
+                              ep_rank=self.ep_rank, ep_size=self.ep_size,
+                              num_experts=self.num_experts,
+                              max_tokens_per_rank=self.max_tokens_per_rank,
+                              slot_count=self.slot_count, call_index=call_index,
+                              check=check_inputs, check_ids=False)
+
+    def _checked_routing(self, topk_ids, topk_weights, sanitize: bool,
+                         check_ids: bool) -> torch.Tensor:
+        check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2, device=self.device,
+                     contiguous=True)
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2,
+                     device=self.device, contiguous=True)
+        num_tokens, top_k = topk_ids.shape
+        if top_k != self.top_k:
+            raise ValueError(f"topk_ids has {top_k} columns but this MoEAlltoall has "
+                             f"top_k={self.top_k}")
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"topk_weights has shape {tuple(topk_weights.shape)} but topk_ids "
+                             f"has {tuple(topk_ids.shape)}; they must match")
+        if num_tokens > self.max_tokens_per_rank:
+            raise ValueError(f"got {num_tokens} tokens but max_tokens_per_rank="
+                             f"{self.max_tokens_per_rank}; construct the MoEAlltoall with a "
+                             f"larger max_tokens_per_rank (it sizes every buffer)")
+        slots = self.slot_count
+        if sanitize:
+            outside = (topk_ids < 0) | (topk_ids > slots)
+            return torch.where(outside, torch.full_like(topk_ids, slots), topk_ids)
+        if check_ids:
+            try:
+                check_expert_ids("topk_ids", topk_ids, slots, allow_padding=True)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; pass sanitize=True to map such ids to {slots} "
+                                 f"(no expert)") from None
+        return topk_ids
+
+    def _agree(self, error: Optional[Exception], what: str) -> None:
+        """Raise on every rank when any rank rejected its input (one all_reduce of R flags)."""
+        flags = torch.zeros(self.ep_size, dtype=torch.int32, device=self.device)
+        if error is not None:
+            flags[self.ep_rank] = 1
+        dist.all_reduce(flags, group=self.group)
+        if error is not None:
+            raise error
+        bad = torch.nonzero(flags).flatten().tolist()
+        if bad:
+            raise ValueError(f"{what}: rank(s) {bad} rejected their input (see the error raised "
+                             f"there); nothing was sent")
+
+    # -----------------------------------------------------------------------------------------
+    # dispatch / combine
+    # -----------------------------------------------------------------------------------------
+
+    def _check_plan(self, plan: AlltoallPlan) -> None:
+        if not isinstance(plan, AlltoallPlan):
+            raise TypeError(f"plan must be an AlltoallPlan (from prepare), got "
+                            f"{type(plan).__name__}")
+        mine = (self.ep_rank, self.ep_size, self.max_tokens_per_rank, self.top_k,
+                self.slot_count)
+        theirs = (plan.ep_rank, plan.ep_size, plan.max_tokens_per_rank, plan.top_k,
+                  plan.slot_count)
+        if theirs != mine:
+            raise ValueError(f"plan was made for (ep_rank, ep_size, N, k, S) = {theirs}, this "
+                             f"MoEAlltoall is {mine}")
+        if plan.send_rank_count_cumsum.device != self.device:
+            raise ValueError(f"plan is on {plan.send_rank_count_cumsum.device}, this "
+                             f"MoEAlltoall on {self.device}")
+
+    def _dispatch_rows(self, rows: torch.Tensor, plan: AlltoallPlan, name: str) -> torch.Tensor:
+        if self.backends["transport"] == "flashinfer":
+            from a2a.flashinfer_comm import check_row_bytes, flashinfer_dispatch_rows
+            check_row_bytes(name, rows)
+            moved = flashinfer_dispatch_rows(_as_bytes(rows), plan, self._workspace("comm"))
+        else:
+            from a2a.torch_comm import torch_dispatch_rows
+            moved = torch_dispatch_rows(_as_bytes(rows), plan, self.group)
+        return moved.view(rows.dtype)
+
+    def dispatch(self, x: torch.Tensor, plan: AlltoallPlan, *, quant: Optional[str] = None,
+                 global_scale: Optional[torch.Tensor] = None):
+        """Send every token's row to the ranks the plan names (collective).
+
+        x:            [T, H] bfloat16 / float16 / float32 contiguous, T = plan.num_tokens.
+        plan:         this rank's plan from :meth:`prepare`.
+        quant:        None: move x as is. ``"nvfp4"``: quantize locally (quantize stage,
+                      linear scale layout), move packed rows and scale rows as two tensors.
+                      ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales (blocks of 32).
+        global_scale: [1] float32, the NVFP4 global encode scale (448*6 / amax); nvfp4 only.
+        Returns, rows by source rank then the source's send order, rows past total_recv 0:
+        quant None: [N*R, H] of x's dtype; ``"nvfp4"``: (packed [N*R, H/2] uint8, two e2m1 per
+        byte, scales [N*R, H/16] uint8 e4m3 bits); ``"mxfp8"``: (codes [N*R, H] and scales
+        [N*R, H/32] uint8 e8m0, codes in the quantizer's dtype, float8_e4m3fn).
+        """
+        self._check_open()
+        self._check_plan(plan)
+        check_tensor("x", x, dtype=PAYLOAD_DTYPES, ndim=2, device=self.device, contiguous=True)
+        if tuple(x.shape) != (plan.num_tokens, self.hidden_size):
+            raise ValueError(f"x has shape {tuple(x.shape)} but the plan is for "
+                             f"{plan.num_tokens} tokens and hidden_size={self.hidden_size}: "
+                             f"expected {(plan.num_tokens, self.hidden_size)}")
+        if quant is None:
+            if global_scale is not None:
+                raise ValueError("global_scale is only used with quant='nvfp4'")
+            return self._dispatch_rows(x, plan, "x")
+        if quant == "nvfp4":
+            if global_scale is None:
+                raise ValueError("quant='nvfp4' needs global_scale ([1] float32, 448*6 / amax)")
+            from a2a.quantize import quantize_nvfp4
+            packed, scales = quantize_nvfp4(x, global_scale, layout="linear",
+                                            backend=self.backends["quantize"])
+            return (self._dispatch_rows(packed, plan, "nvfp4 packed"),
+                    self._dispatch_rows(scales.view(torch.uint8), plan, "nvfp4 scales"))
+        if quant == "mxfp8":
+            if global_scale is not None:
+                raise ValueError("global_scale is only used with quant='nvfp4'")
+            from a2a.quantize import quantize_mxfp8
+            codes, scales = quantize_mxfp8(x, backend=self.backends["quantize"])
+            return (self._dispatch_rows(codes, plan, "mxfp8 codes"),
+                    self._dispatch_rows(scales, plan, "mxfp8 scales"))
+        raise ValueError(f"quant={quant!r} must be None or one of {QUANT_FORMATS}")
+
+    def combine(self, expert_out: torch.Tensor, plan: AlltoallPlan) -> torch.Tensor:
+        """Return every received row to its source and sum over k (collective).
+
+        expert_out: [N*R, H] bfloat16 / float16 / float32 contiguous: for each row this rank
+                    received (dispatch's row order), the sum over its local slots j of
+                    ``recv_weights[i, j] * expert(recv_expert_ids[i, j])(row)``; rows past
+                    total_recv are not read.
+        plan:       the plan the rows were dispatched with.
+        Returns [T, H] of expert_out's dtype: per token, the rows returned by every rank it
+        went to, summed in float32 in slot order and rounded once (:func:`sum_over_slots`).
+        """
+        self._check_open()
+        self._check_plan(plan)
+        check_tensor("expert_out", expert_out, dtype=PAYLOAD_DTYPES, ndim=2, device=self.device,
+                     contiguous=True)
+        rows = self.max_tokens_per_rank * self.ep_size
+        if tuple(expert_out.shape) != (rows, self.hidden_size):
+            raise ValueError(f"expert_out has shape {tuple(expert_out.shape)}, expected "
+                             f"{(rows, self.hidden_size)} (dispatch's rows, N*R)")
+        if self.backends["transport"] == "flashinfer":
+            from a2a.flashinfer_comm import check_row_bytes, flashinfer_combine_rows
+            check_row_bytes("expert_out", expert_out)
+            scattered = flashinfer_combine_rows(_as_bytes(expert_out), plan,
+                                                self._workspace("comm"))
+        else:
+            from a2a.torch_comm import torch_combine_rows
+            scattered = torch_combine_rows(_as_bytes(expert_out), plan, self.group)
+        return sum_over_slots(scattered.view(expert_out.dtype), plan.num_tokens, plan.top_k)
