@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from a2a.backends import BackendUnavailable, default_backends, resolve
+from a2a.backends import BackendUnavailable, resolve
 from kernels.types import AlltoallPlan
 from kernels.validate import check_expert_ids, check_tensor, check_top_k
 
@@ -138,17 +138,7 @@ class MoEAlltoall:
         if unknown:
             raise ValueError(f"backends has unknown stage(s) {sorted(unknown)}; the stages are "
                              f"{STAGES}")
-        resolved = {stage: resolve(stage, requested.get(stage), self.device) for stage in STAGES}
-        if resolved["prepare"] == "triton" and self.device.type == "cpu":
-            # The Triton prepare stores into peer-mapped (MNNVL) memory: a GPU only, even
-            # under TRITON_INTERPRET=1.
-            if (requested.get("prepare") or default_backends()["prepare"]) != "auto":
-                raise BackendUnavailable(
-                    "prepare backend 'triton' cannot run here: the cross-rank Triton prepare "
-                    "stores into peer-mapped MNNVL memory, which needs a GPU; got device "
-                    f"{self.device}. Backends that can: torch (or 'auto')")
-            resolved["prepare"] = "torch"
-        return resolved
+        return {stage: resolve(stage, requested.get(stage), self.device) for stage in STAGES}
 
     def _check_config(self) -> None:
         for name, value in (("num_experts", self.num_experts),
