@@ -35,6 +35,11 @@ def _check_flashinfer_limits(num_experts: int, top_k: int, num_groups: int,
         raise ValueError(f"top_k={top_k}: FlashInfer's fused_topk_deepseek takes top_k <= "
                          f"{FI_MAX_TOP_K}; {way_out}")
     if num_groups == 1:
+        if top_k > 1:
+            # Its own check demands topk_group * n_group >= top_k, which n_group = 1 never
+            # meets for k > 1 (seen with FlashInfer 0.7.2 on H200).
+            raise ValueError(f"top_k={top_k} without groups: FlashInfer's fused_topk_deepseek "
+                             f"rejects n_group=1 unless top_k == 1; {way_out}")
         if num_experts > FI_MAX_EXPERTS_UNGROUPED:
             raise ValueError(f"E={num_experts}: FlashInfer's fused_topk_deepseek takes E <= "
                              f"{FI_MAX_EXPERTS_UNGROUPED} without groups; {way_out}")
@@ -76,8 +81,6 @@ def _route_topk_flashinfer(logits: torch.Tensor, top_k: int, method: str, *, bia
         raise NotImplementedError(
             f"method={method!r}: the FlashInfer routing adapter wraps only fused_topk_deepseek "
             f"(method='deepseek_v3'); use backend='triton' or 'torch'")
-    if topk_groups == num_groups:
-        num_groups = topk_groups = 1  # keeping every group is routing without groups
     num_tokens, num_experts = logits.shape
     _check_flashinfer_limits(num_experts, top_k, num_groups, topk_groups)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)

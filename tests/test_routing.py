@@ -165,7 +165,8 @@ def test_flashinfer_adapter_wraps_deepseek_v3_only():
 
 @pytest.mark.parametrize("args, message", [
     ((256, 9, 8, 4), "top_k <= 8"),
-    ((512, 8, 1, 1), "E <= 384 without groups"),
+    ((512, 1, 1, 1), "E <= 384 without groups"),
+    ((384, 8, 1, 1), "rejects n_group=1 unless top_k == 1"),
     ((384, 8, 8, 4), "E=384 <= 256"),
     ((256, 8, 4, 2), "E/num_groups=64 <= 32"),
     ((256, 8, 16, 4), "num_groups=16 <= 8"),
@@ -175,7 +176,7 @@ def test_flashinfer_limits_are_named(args, message):
     with pytest.raises(ValueError, match=message):
         _check_flashinfer_limits(*args)
     _check_flashinfer_limits(256, 8, 8, 4)  # DeepSeek-V3's own shape passes
-    _check_flashinfer_limits(384, 8, 1, 1)  # Kimi-K2's
+    _check_flashinfer_limits(384, 1, 1, 1)  # no groups, top-1
 
 
 @pytest.mark.parametrize("run", [route_topk_triton, route_topk_stage])
@@ -263,7 +264,8 @@ def _near_ties(logits, bias, top_k, num_groups, topk_groups):
     num_tokens, num_experts = biased.shape
     boundary = torch.zeros(num_tokens, dtype=torch.bool, device=biased.device)
     if topk_groups < num_groups:
-        group_scores = biased.view(num_tokens, num_groups, -1).topk(2, dim=2).values.sum(dim=2)
+        group_scores = biased.view(num_tokens, num_groups, num_experts // num_groups).topk(
+            2, dim=2).values.sum(dim=2)
         ranked = group_scores.sort(dim=1, descending=True).values
         boundary |= (ranked[:, topk_groups - 1] - ranked[:, topk_groups]).abs() < NEAR_TIE
         kept = torch.zeros_like(group_scores, dtype=torch.bool)
@@ -280,7 +282,7 @@ def _near_ties(logits, bias, top_k, num_groups, topk_groups):
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, groups, dtype", [
     (8192, 256, 8, (8, 4), torch.bfloat16),   # DeepSeek-V3
     (8192, 256, 8, (8, 4), torch.float32),
-    (4096, 384, 8, (1, 1), torch.bfloat16),   # Kimi-K2 (no groups)
+    (4096, 384, 1, (1, 1), torch.bfloat16),   # no groups: FlashInfer takes it for k = 1 only
     (4096, 128, 4, (4, 2), torch.float32),
     (1, 256, 8, (8, 4), torch.float32),
     (0, 256, 8, (8, 4), torch.float32),
