@@ -59,7 +59,7 @@ class Path:
                skips them (e.g. ``check_ids=False``): checked against the oracle too.
     capture_safe: ``run`` does no host sync (no ``.item()``, no data-dependent shapes), so a
                CUDA graph can capture it. Only such paths are timed by graph replay (on stages
-               with ``graph=True``); the default is False, i.e. eager ``do_bench``.
+               with ``graph=True``); the default is False, i.e. eager timing.
     timed:     which call is timed, when that is not obvious (shown in the row's note).
     """
 
@@ -454,8 +454,7 @@ def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         if x.device.type != "cuda":
             raise Unavailable("not available: torch.compile is timed on GPU only (the CPU run "
                               "checks the interpreter, its timings mean nothing)")
-        # One compiled function per op for the whole run (torch.compile's default: static
-        # shapes first, dynamic after the first recompile); raise dynamo's recompile limit
+        # One compiled function per op for the whole run; raise dynamo's recompile limit
         # (8 by default), past which it would silently run the function eagerly.
         import torch._dynamo
         for limit in ("cache_size_limit", "recompile_limit"):
@@ -464,7 +463,8 @@ def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                                                          COMPILE_RECOMPILE_LIMIT))
         cache = ctx.shared.setdefault("compiled", {})
         if name not in cache:
-            cache[name] = torch.compile(load("kernels.reference", name),
+            # dynamic=True: one compile per op (and layout) for all token counts.
+            cache[name] = torch.compile(load("kernels.reference", name), dynamic=True,
                                         options=compile_options())
         return _quantize_call(cache[name], shape, x, _lazy(global_scale, shape))
 

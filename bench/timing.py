@@ -2,7 +2,8 @@
 
 Three clocks, one result type (:class:`Timing`, microseconds):
 
-- :func:`time_gpu`: ``triton.testing.do_bench`` (L2 flushed between calls), or
+- :func:`time_gpu`: :func:`time_eager` (do_bench's scheme, L2 flushed before each call, with
+  a capped call count), or
   :func:`time_graph` (CUDA-graph replay, for launch-bound paths declared capture-safe; a failed
   capture is ended and torch's CUDA generator repaired, never left half-captured); both give
   the median and the 20th / 80th percentiles.
@@ -28,9 +29,13 @@ import torch
 
 # Quantiles reported next to the median.
 LOW_Q, HIGH_Q = 0.2, 0.8
-# do_bench budgets in milliseconds: half of Triton's defaults (25 / 100 / 20), enough for stable
-# medians of microsecond kernels, and the full sweep has about a thousand rows.
+# Eager timing budgets in milliseconds (half of do_bench's defaults, 25 / 100), and the call
+# count clamped to [MIN_EAGER_CALLS, MAX_EAGER_CALLS]: do_bench's uncapped count (rep / time of
+# one call) flushes L2 tens of thousands of times around a microsecond kernel, seconds per row.
 WARMUP_MS, REP_MS = 10, 50
+MIN_EAGER_CALLS, MAX_EAGER_CALLS = 10, 200
+# Zeroed before each eagerly timed call to evict L2 (50 MB on H100/H200), as do_bench does.
+FLUSH_BYTES = 256 << 20
 # CUDA-graph timing: one replay runs enough calls to last about GRAPH_REPLAY_MS (launch-bound
 # calls of a few microseconds: hundreds per replay, capped at MAX_CALLS_PER_GRAPH), sized from
 # GRAPH_ESTIMATE_REPLAYS replays of a one-call graph; GRAPH_SAMPLES replays give the quantiles.
@@ -74,23 +79,53 @@ class CaptureFailed(RuntimeError):
 
 
 def time_gpu(fn: Callable[[], object], *, graph: bool = False) -> Timing:
-    """Time ``fn`` on the current GPU: ``do_bench`` (L2 flushed between calls), or, with
+    """Time ``fn`` on the current GPU: :func:`time_eager` (L2 flushed before each call), or, with
     ``graph=True``, CUDA-graph replay (:func:`time_graph`, for launch-bound paths declared
     capture-safe, i.e. free of host syncs). A capture that fails anyway is cleaned up (see
-    :func:`time_graph`) and the call is timed with ``do_bench``; ``remark`` says so."""
-    import triton.testing
-
-    remark = ""
+    :func:`time_graph`) and the call is timed eagerly; ``remark`` says so."""
     if graph:
         try:
             return time_graph(fn)
         except CaptureFailed as error:
-            remark = f"declared capture-safe but the CUDA-graph capture failed ({error}): timed " \
-                     f"eagerly"
-    quantiles = [0.5, LOW_Q, HIGH_Q]
-    median, low, high = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS,
-                                                quantiles=quantiles)
-    return Timing(median * 1e3, low * 1e3, high * 1e3, "do_bench", remark)
+            timing = time_eager(fn)
+            return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.method,
+                          f"declared capture-safe but the CUDA-graph capture failed ({error}): "
+                          f"timed eagerly")
+    return time_eager(fn)
+
+
+_FLUSH: dict = {}
+
+
+def time_eager(fn: Callable[[], object], *, warmup_ms: float = WARMUP_MS,
+               rep_ms: float = REP_MS) -> Timing:
+    """do_bench's scheme with a capped call count: warm-up calls, then each call between its
+    own CUDA events, after zeroing :data:`FLUSH_BYTES` so that it starts with a cold L2."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _FLUSH:
+        _FLUSH[device] = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    flush = _FLUSH[device]
+    fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 3, 1e-4)
+    for _ in range(int(min(MAX_EAGER_CALLS, max(1, warmup_ms / estimate_ms)))):
+        fn()
+    calls = int(min(MAX_EAGER_CALLS, max(MIN_EAGER_CALLS, rep_ms / estimate_ms)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    for begin, finish in zip(starts, ends):
+        flush.zero_()
+        begin.record()
+        fn()
+        finish.record()
+    torch.cuda.synchronize(device)
+    return _from_samples([b.elapsed_time(f) for b, f in zip(starts, ends)], "eager_l2_flushed")
 
 
 def _brief(error: BaseException) -> str:
@@ -135,7 +170,7 @@ def _recover_from_failed_capture(device: torch.device, stream, rng_state: torch.
     scratch = torch.zeros(1, device=device)
     try:
         _capture(lambda: scratch.add_(1), 1, stream)
-    except CaptureFailed:
+    except Exception:  # judged by the check below
         pass
     torch.cuda.synchronize(device)
     try:
