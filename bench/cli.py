@@ -79,6 +79,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         if args.backends else None)
     if args.quick:
         args.sweep = "quick"
+    args.deadline = None  # main() sets it from --budget when the run starts
     try:
         args.token_list = (tuple(int(t) for t in args.tokens.split(",") if t.strip())
                            if args.tokens else None)
