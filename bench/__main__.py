@@ -1,179 +1,24 @@
 """``python -m bench`` (console script ``moe-a2a-bench``): every stage of the MoE all-to-all and
 the whole layer, per backend, side by side; checked against the oracle first, then timed.
 
-    python -m bench                       # all stages, DeepSeek-like sweep, one GPU
+    python -m bench                       # all stages, DeepSeek-V3 shapes, one GPU
     python -m bench --gpus 2              # one process per GPU: adds dispatch, combine, layer
-    python -m bench --stages quantize,routing --backends triton,flashinfer --quick
+    python -m bench --stages quantize,routing --backends triton,flashinfer --sweep quick
+    python -m bench --sweep full --stages permute --budget 400 --bundle --out results/p
     python -m bench --targets             # PASS/FAIL against the targets stated in the issues
 
 Without a GPU the Triton kernels run in Triton's interpreter on tiny shapes: the outputs are
 checked and the same table is printed, but the timings mean nothing. Results (JSON, Markdown,
-PNG plots) go to ``bench/results/`` on a GPU, and on CPU only when ``--out`` is given.
+one PNG; with ``--bundle`` also one .tar.gz of them) go to ``bench/results/`` on a GPU, and on
+CPU only when ``--out`` is given.
+
+Run time on a GPU: the default sweep is sized for a few minutes per call (1 GPU, and
+``--gpus 2``), and ``--budget`` (default 400 s of sweep) stops starting shapes past it, listing
+the rest as skipped with the command that runs them. ``--sweep full`` (the issue's whole grid,
+about 4x the default) is meant to be run a few ``--stages`` per call.
 """
 
-from __future__ import annotations
-
-import argparse
-import datetime
-import os
-import sys
-from typing import Optional
-
-import torch
-
-# Without CUDA, Triton kernels can only run in its interpreter, which must be chosen before
-# triton is imported (nothing under bench/ imports it at module level).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from bench import report  # noqa: E402
-from bench.runner import RunContext, add_speedups, run_stages  # noqa: E402
-from bench.stages import (CPU_QUICK_SWEEP, CPU_SWEEP, DEFAULT_SWEEP, QUICK_SWEEP,  # noqa: E402
-                          SINGLE_DEVICE_STAGES, Stage, Sweep)
-from bench.targets import judge_targets  # noqa: E402
-from bench.timing import measure_limits  # noqa: E402
-from bench.transport import DISTRIBUTED_STAGES, not_distributed_record  # noqa: E402
-
-ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + DISTRIBUTED_STAGES
-STAGE_NAMES = tuple(dict.fromkeys(s.name for s in ALL_STAGES))
-BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "torch", "torch_compile")
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-# Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=2)
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", default=",".join(STAGE_NAMES),
-                        help=f"comma-separated subset of {','.join(STAGE_NAMES)}")
-    parser.add_argument("--backends", default=None,
-                        help=f"comma-separated subset of {','.join(BACKEND_NAMES)} "
-                             "(the torch oracle still runs to check the others)")
-    parser.add_argument("--quick", action="store_true", help="a small sweep")
-    parser.add_argument("--gpus", type=int, default=1,
-                        help="one process per GPU; 2+ adds dispatch, combine and layer")
-    parser.add_argument("--out", default=None,
-                        help=f"where to write JSON, Markdown and plots (GPU default: "
-                             f"{DEFAULT_OUT}; CPU: nothing is written without --out)")
-    parser.add_argument("--targets", action="store_true",
-                        help="add a PASS/FAIL column for the rows with a stated target")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    args = parser.parse_args(argv)
-    args.stage_list = _choose(args.stages, STAGE_NAMES, "--stages")
-    args.backend_set = (set(_choose(args.backends, BACKEND_NAMES, "--backends"))
-                        if args.backends else None)
-    args.command = " ".join(["python -m bench"] + list(argv if argv is not None
-                                                       else sys.argv[1:]))
-    return args
-
-
-def _choose(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
-    chosen = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [t for t in chosen if t not in allowed]
-    if unknown:
-        raise SystemExit(f"{option}: unknown {unknown}; choose from {','.join(allowed)}")
-    return chosen
-
-
-def pick_sweep(args: argparse.Namespace, on_gpu: bool) -> Sweep:
-    if on_gpu:
-        return QUICK_SWEEP if args.quick else DEFAULT_SWEEP
-    return CPU_QUICK_SWEEP if args.quick else CPU_SWEEP
-
-
-def run_bench(args: argparse.Namespace, ctx: RunContext) -> list[dict]:
-    """Run the selected stages in this process; returns the records on rank 0 (all of them)
-    and the distributed records on the other ranks."""
-    on_gpu = ctx.device.type == "cuda"
-    sweep = pick_sweep(args, on_gpu)
-    ctx.shared["sweep"] = sweep
-    progress = not args.no_progress
-    records: list[dict] = []
-    distributed = [s for s in DISTRIBUTED_STAGES if s.name in args.stage_list]
-    if ctx.world_size >= 2:
-        records += run_stages(distributed, sweep, ctx, backends=args.backend_set,
-                              progress=progress)
-    elif ctx.rank == 0:
-        records += [not_distributed_record(s, ctx) for s in distributed]
-    if ctx.rank == 0:
-        local = RunContext(device=ctx.device, gpu=ctx.gpu, world_size=ctx.world_size,
-                           limits=ctx.limits)
-        single = [s for s in SINGLE_DEVICE_STAGES if s.name in args.stage_list]
-        records = run_stages(single, sweep, local, backends=args.backend_set,
-                             progress=progress) + records
-    return records
-
-
-def finish(args: argparse.Namespace, records: list[dict], ctx: RunContext) -> list[str]:
-    """Speed-ups, targets, the table; the files when asked for (or by default on a GPU)."""
-    add_speedups(records)
-    if args.targets:
-        judge_targets(records)
-    meta = report.make_meta(ctx.device, ctx.world_size, ctx.limits, args.command)
-    print(report.format_table(records, meta, with_targets=args.targets))
-    out = args.out or (DEFAULT_OUT if ctx.device.type == "cuda" else None)
-    if out is None:
-        print("(no GPU: results not written; pass --out DIR to keep them)", file=sys.stderr)
-        return []
-    written = report.write_results(records, meta, out, with_targets=args.targets,
-                                   plots=not args.no_plots)
-    print("wrote " + ", ".join(written), file=sys.stderr)
-    return written
-
-
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    """One process per GPU: NCCL group, limits on rank 0, the distributed stages on every rank,
-    then the single-GPU stages and the report on rank 0."""
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device,
-                            timeout=PROCESS_GROUP_TIMEOUT)
-    try:
-        limits = measure_limits(device) if rank == 0 else {}
-        dist.barrier()
-        ctx = RunContext(device=device, gpu=report.gpu_name(device), rank=rank,
-                         world_size=world_size, group=dist.group.WORLD, limits=limits)
-        records = run_bench(args, ctx)
-        if rank == 0:
-            finish(args, records, ctx)
-        # The other ranks wait here for rank 0's single-GPU sweep, so that no peer-mapped
-        # workspace is torn down while a rank may still use it.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv: Optional[list[str]] = None) -> list[dict]:
-    """Entry point of ``python -m bench`` and ``moe-a2a-bench``; returns the records of a
-    single-process run (empty for ``--gpus N > 1``, where rank 0 reports)."""
-    args = parse_args(argv)
-    if args.gpus > 1:
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if available < args.gpus:
-            raise SystemExit(f"--gpus {args.gpus}: only {available} CUDA GPU(s) visible")
-        import torch.multiprocessing as mp
-        mp.spawn(_worker, args=(args.gpus, _free_port(), args), nprocs=args.gpus, join=True)
-        return []
-    if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-        limits = measure_limits(device)
-    else:
-        device, limits = torch.device("cpu"), {}
-    ctx = RunContext(device=device, gpu=report.gpu_name(device), limits=limits)
-    records = run_bench(args, ctx)
-    finish(args, records, ctx)
-    return records
-
+from bench.cli import main, parse_args  # noqa: F401  (the console script names bench.__main__:main)
 
 if __name__ == "__main__":
     main()

@@ -143,9 +143,14 @@ def format_markdown(records: list[dict], meta: dict, with_targets: bool = False)
               f"- torch {meta['torch']}, triton {meta['triton']}, flashinfer {meta['flashinfer']},"
               f" driver {meta['driver']}",
               f"- limits: {_limits_text(meta['limits'])}",
-              "- time: median, p20-p80 in microseconds; GB/s from the bytes formula of each "
-              "stage (bench/stages.py, bench/transport.py); % limit = ideal time at the measured "
-              "limits / time; x FI, x torch = speed-up against FlashInfer's best row and torch",
+              "- time: median, p20-p80 in microseconds (timing method per row in the JSON: "
+              "cuda_graph replay only for paths declared free of host syncs, else eager calls after an L2 flush); "
+              "GB/s = effective bandwidth, the bytes formula of each stage (bench/stages.py, "
+              "bench/transport.py) / time; % limit = ideal time at the measured limits / time, "
+              "counting HBM bytes once (gather_rows reads each token row k times, mostly from "
+              "L2: its GB/s may exceed the HBM limit, its % limit counts the row once); the "
+              "limit is a torch copy_, which a tuned kernel can beat by a few %; x FI, x torch ="
+              " speed-up against FlashInfer's best row and torch",
               "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(escape(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
@@ -154,6 +159,10 @@ def format_markdown(records: list[dict], meta: dict, with_targets: bool = False)
 # ---------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------
+
+# Panels per row of the one plot file.
+PLOT_COLUMNS = 3
+
 
 def result_stem(meta: dict) -> str:
     """``<gpu>-<n>gpu-<date>``, file-name safe."""
@@ -178,8 +187,9 @@ def write_results(records: list[dict], meta: dict, out_dir: str,
 
 
 def write_plots(records: list[dict], meta: dict, stem: str) -> list[str]:
-    """One PNG per stage (and op): time against tokens per rank, one line per backend and
-    remaining shape. Skipped, with a message, when matplotlib is missing."""
+    """One PNG, ``<stem>.png``, with a panel per stage (and op): time against tokens per rank,
+    one line per backend and remaining shape. Skipped, with a message, when matplotlib is
+    missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -197,9 +207,12 @@ def write_plots(records: list[dict], meta: dict, stem: str) -> list[str]:
         line = f"{r['backend']} {_shape_text(rest)}"
         panels.setdefault(panel, {}).setdefault(line, []).append((r["shape"]["tokens"],
                                                                   r["time_us"]))
-    written = []
-    for panel, lines in panels.items():
-        fig, ax = plt.subplots(figsize=(9, 6))
+    if not panels:
+        return []
+    columns = min(PLOT_COLUMNS, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7 * columns, 5 * rows), squeeze=False)
+    for ax, (panel, lines) in zip(axes.flat, sorted(panels.items())):
         for label, points in sorted(lines.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
@@ -208,11 +221,13 @@ def write_plots(records: list[dict], meta: dict, stem: str) -> list[str]:
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel("time (us)" + (", interpreter: meaningless" if meta.get("interpreter")
                                      else ""))
-        ax.set_title(f"{panel} on {meta['gpu']} x{meta['num_gpus']}")
-        ax.legend(fontsize=6, ncol=2)
+        ax.set_title(panel)
+        ax.legend(fontsize=5, ncol=2)
         ax.grid(True, which="both", alpha=0.3)
-        path = f"{stem}-{panel}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
-    return written
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{meta['gpu']} x{meta['num_gpus']}, {meta['date']}")
+    path = f"{stem}.png"
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return [path]

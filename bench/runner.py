@@ -3,7 +3,10 @@ the paths that agree, and turn the result into records.
 
 A record (one dict per stage, shape and backend) is the unit of the JSON and of the table:
 ``stage, backend, gpu, num_gpus, shape, dtype, time_us, p20_us, p80_us, bytes, local_bytes,
-remote_bytes, gbps, pct_of_limit, ok, note, timing``. ``ok`` is True (checked, then timed),
+remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing``. ``gbps`` is the effective
+bandwidth (``bytes`` / time); ``pct_of_limit`` compares the HBM minimum (``hbm_bytes``: differs
+from ``local_bytes`` only where a formula reads the same rows several times, e.g. gather_rows)
+and the remote bytes with the measured limits. ``ok`` is True (checked, then timed),
 False (output differs or the call failed; never timed) or None (the path cannot run here, or
 there was no oracle to check it against; ``note`` says why).
 """
@@ -11,6 +14,7 @@ there was no oracle to check it against; ``note`` says why).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -104,13 +108,23 @@ def shape_label(shape: dict) -> str:
 
 
 def run_stages(stages: list[Stage], sweep: Sweep, ctx: RunContext, *,
-               backends: Optional[set[str]] = None, progress: bool = True) -> list[dict]:
-    """Run every shape of every stage; returns the records (on every rank)."""
+               backends: Optional[set[str]] = None, progress: bool = True,
+               deadline: Optional[float] = None) -> list[dict]:
+    """Run every shape of every stage; returns the records (on every rank).
+
+    ``deadline`` (``time.time()`` seconds): no shape starts after it (the ranks agree); each
+    shape left gets one row saying it was skipped."""
     plan = [(stage, shape) for stage in stages for shape in stage.shapes(sweep)]
     bar = Progress(len(plan), enabled=progress and ctx.rank == 0)
     records: list[dict] = []
     for stage, shape in plan:
         bar.step(f"{stage.name} {shape_label(shape)}")
+        if not ctx.agree(deadline is None or time.time() < deadline):
+            records.append(make_record(stage, shape, ctx, "*", ok=None,
+                                       note=f"skipped: --budget spent; run it alone with "
+                                            f"--stages {stage.name} "
+                                            f"--tokens {shape.get('tokens', '')}".rstrip()))
+            continue
         records += run_shape(stage, shape, ctx, backends=backends)
     bar.close()
     return records
@@ -134,6 +148,8 @@ def run_shape(stage: Stage, shape: dict, ctx: RunContext, *,
             if backends is not None and path.backend not in backends:
                 continue  # the oracle ran only to check the others
             records.append(_run_path(stage, shape, ctx, inputs, path, ref, ref_note))
+            if ctx.device.type == "cuda":  # an asynchronous error shows up in its own row
+                torch.cuda.synchronize(ctx.device)
     finally:
         _close_shape_resources(ctx)
     return records
@@ -161,12 +177,12 @@ def _oracle_output(stage: Stage, paths: list[Path], ctx: RunContext) -> tuple[An
         return None, f"oracle failed: {_brief(error)}"
 
 
-def _call_once(path: Path) -> Any:
-    """One untimed call: ``before``, ``run``, ``normalize`` (before ``after`` can overwrite a
-    workspace-backed output), ``after``."""
+def _call_once(path: Path, run: Optional[Any] = None) -> Any:
+    """One untimed call: ``before``, ``run`` (or the given call), ``normalize`` (before
+    ``after`` can overwrite a workspace-backed output), ``after``."""
     if path.before is not None:
         path.before()
-    out = path.run()
+    out = (run or path.run)()
     if path.normalize is not None:
         out = path.normalize(out)
     if path.after is not None:
@@ -185,11 +201,12 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
         return record(ok=None, note=f"not checked, so not timed: {ref_note}")
     ok, note = True, ""
     try:
-        out = _call_once(path)
         if stage.oracle is not None and path.backend == stage.oracle:
-            note = "oracle"
+            note = "oracle"  # its output is ``ref``, computed once
         else:
-            stage.check(out, ref, inputs, shape)
+            stage.check(_call_once(path), ref, inputs, shape)
+            if path.checked is not None:  # the same op with its input checks on
+                stage.check(_call_once(path, path.checked), ref, inputs, shape)
     except AssertionError as error:
         ok, note = False, f"mismatch: {_brief(error)}"
     except Exception as error:
@@ -205,6 +222,7 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
         timing = _time(stage, path, ctx)
     except Exception as error:
         return record(ok=False, note=f"timing failed: {_brief(error)}")
+    note = "; ".join(part for part in (note, path.timed, timing.remark) if part)
     return record(ok=True, note=note, timing=timing)
 
 
@@ -215,9 +233,9 @@ def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
         if stage.distributed:
             return ctx.slowest(time_fixed(path.run, before=path.before, after=path.after,
                                           barrier=ctx.barrier))
-        # Graph replay for our kernels and FlashInfer's; the torch paths sync on the host
-        # (id checks), which a CUDA graph cannot capture.
-        return time_gpu(path.run, graph=stage.graph and not path.backend.startswith("torch"))
+        # Graph replay only for the paths that declare themselves free of host syncs: a
+        # capture attempted on any other path would fail (and is never tried).
+        return time_gpu(path.run, graph=stage.graph and path.capture_safe)
 
 
 def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,
@@ -226,11 +244,13 @@ def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,
     """One row of the results (see the module docstring)."""
     traffic = stage.traffic(shape, inputs)
     local, remote = traffic.get("local", 0), traffic.get("remote", 0)
+    hbm_local = traffic.get("hbm_local", local)
     record = {
         "stage": stage.name, "backend": backend, "gpu": ctx.gpu, "num_gpus": ctx.world_size,
         "shape": dict(shape), "dtype": stage.dtype(shape),
         "time_us": None, "p20_us": None, "p80_us": None,
         "bytes": local + remote, "local_bytes": local, "remote_bytes": remote,
+        "hbm_bytes": hbm_local,
         "gbps": None, "pct_of_limit": None, "ok": ok, "note": note, "timing": None,
     }
     if timing is not None:
@@ -238,7 +258,8 @@ def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,
                       timing=timing.method,
                       gbps=(local + remote) / (timing.median_us * 1e3) if timing.median_us > 0
                       else None,
-                      pct_of_limit=percent_of_limit(local, remote, timing.median_us, ctx.limits))
+                      pct_of_limit=percent_of_limit(hbm_local, remote, timing.median_us,
+                                                    ctx.limits))
     return record
 
 

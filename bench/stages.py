@@ -13,6 +13,7 @@ reason instead of a function (:class:`Path` with ``run=None``).
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -54,6 +55,12 @@ class Path:
     normalize: untimed, turns ``run``'s output into what ``Stage.check`` compares (default: as is).
     before:    untimed, run before each call (e.g. the dispatch a one-sided combine needs).
     after:     untimed, run after each call (e.g. the combine that must follow that dispatch).
+    checked:   untimed, the same op with all its input checks, when ``run`` is a fast path that
+               skips them (e.g. ``check_ids=False``): checked against the oracle too.
+    capture_safe: ``run`` does no host sync (no ``.item()``, no data-dependent shapes), so a
+               CUDA graph can capture it. Only such paths are timed by graph replay (on stages
+               with ``graph=True``); the default is False, i.e. eager timing.
+    timed:     which call is timed, when that is not obvious (shown in the row's note).
     """
 
     backend: str
@@ -62,6 +69,9 @@ class Path:
     normalize: Optional[Callable[[Any], Any]] = None
     before: Optional[Callable[[], Any]] = None
     after: Optional[Callable[[], Any]] = None
+    checked: Optional[Callable[[], Any]] = None
+    capture_safe: bool = False
+    timed: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,10 +90,15 @@ class Sweep:
                 "top_k": self.top_k, "routing": self.routing}[key]
 
 
-# DeepSeek-like sweep of the issue.
-DEFAULT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(4096, 7168),
-                      experts=(64, 256), top_k=(4, 8), routing=("uniform", "skewed"),
-                      extra_shapes=True)
+# DeepSeek-V3 shapes (H=7168, E=256, k=8) over the token counts, both routings, plus the target
+# shapes: sized to finish in a few minutes per GPU call (bench/cli.py's --budget guards it).
+DEFAULT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(7168,), experts=(256,),
+                      top_k=(8,), routing=("uniform", "skewed"), extra_shapes=True)
+# The issue's whole DeepSeek-like grid: about 4x the default per stage; run it a few stages per
+# call (``--sweep full --stages quantize``, ...), each call under its --budget.
+FULL_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(4096, 7168),
+                   experts=(64, 256), top_k=(4, 8), routing=("uniform", "skewed"),
+                   extra_shapes=True)
 QUICK_SWEEP = Sweep(tokens=(16, 512, 8192), hidden=(7168,), experts=(256,), top_k=(8,),
                     routing=("uniform",))
 # Without a GPU every Triton kernel runs in the interpreter: tiny shapes only.
@@ -109,7 +124,7 @@ class Stage:
                bytes an ideal implementation moves; the formulas are written next to each stage
                (``inputs`` is None when they could not be built).
     dtype:     ``shape -> str``, the payload dtype named in the record.
-    graph:     launch-bound: time by CUDA-graph replay.
+    graph:     launch-bound: time the paths declared ``capture_safe`` by CUDA-graph replay.
     distributed: needs one process per GPU (bench/transport.py).
     """
 
@@ -134,8 +149,8 @@ class Stage:
                   for point in grid for variant in self.variants]
         shapes = [{k: v for k, v in shape.items() if k not in self.unused(shape)}
                   for shape in shapes]
-        if sweep.extra_shapes:
-            shapes += [dict(s) for s in self.extra()]
+        if sweep.extra_shapes:  # the target shapes whose token count the sweep has
+            shapes += [dict(s) for s in self.extra() if s.get("tokens") in sweep.tokens]
         unique: list[dict] = []
         for shape in shapes:
             if self.valid(shape) and shape not in unique:
@@ -179,6 +194,14 @@ def stage_backend(stage: str, backend: str, device: torch.device, **context) -> 
     why = load("a2a.backends", "why_unavailable")(stage, backend, device, **context)
     if why is not None:
         raise Unavailable(f"not available: {why}")
+
+
+def accepts(fn: Callable, keyword: str) -> bool:
+    """Whether ``fn`` takes the keyword argument ``keyword`` (e.g. a ``check_ids`` fast path)."""
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def generator(device: torch.device, salt: int = 0) -> torch.Generator:
@@ -280,7 +303,9 @@ def _routing_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         route = load("kernels.reference", "route_topk")
         return lambda: route(logits, k, method, **options)
 
-    return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
+    # Both kernels' argument checks are host-side only (no reads of the logits).
+    return [make_path("triton", public("triton"), capture_safe=True),
+            make_path("flashinfer", public("flashinfer"), capture_safe=True),
             make_path("torch", oracle)]
 
 
@@ -336,16 +361,29 @@ def _prepare_build(shape: dict, device: torch.device, ctx=None) -> dict:
 def _prepare_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     ids, experts, ep = inputs["topk_ids"], shape["experts"], shape["ep_size"]
 
-    def face(module, backend=None):
-        def factory():
-            plan = load(module, "local_send_plan")
-            if backend:
-                stage_backend("prepare", backend, ids.device)
-            return lambda: plan(ids, experts, ep, max_tokens_per_rank=shape["tokens"])
-        return factory
+    def oracle():
+        plan = load("kernels.reference", "local_send_plan")
+        return lambda: plan(ids, experts, ep, max_tokens_per_rank=shape["tokens"])
 
-    return [make_path("triton", face("kernels.prepare", "triton")),
-            make_path("torch", face("kernels.reference"))]
+    def checked():
+        # No stage switch here: its "prepare" rule is about the cross-rank prepare (peer-mapped
+        # memory); the local plan is a plain kernel that runs wherever Triton does.
+        plan = load("kernels.prepare", "local_send_plan")
+        return lambda: plan(ids, experts, ep, max_tokens_per_rank=shape["tokens"])
+
+    triton_path = make_path("triton", checked)
+    plan = load("kernels.prepare", "local_send_plan") if triton_path.run is not None else None
+    if plan is not None and accepts(plan, "check_ids"):
+        # The id range check reads the ids (a host sync): checked once, timed without it.
+        triton_path = Path("triton", run=lambda: plan(ids, experts, ep, check_ids=False,
+                                                      max_tokens_per_rank=shape["tokens"]),
+                           checked=triton_path.run, capture_safe=True,
+                           timed="timed: kernels.prepare.local_send_plan(check_ids=False)")
+    elif plan is not None:
+        triton_path = Path("triton", run=triton_path.run,
+                           timed="timed: kernels.prepare.local_send_plan incl. its host-sync "
+                                 "id check")
+    return [triton_path, make_path("torch", oracle)]
 
 
 def _prepare_traffic(shape: dict, inputs=None) -> dict:
@@ -416,8 +454,7 @@ def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         if x.device.type != "cuda":
             raise Unavailable("not available: torch.compile is timed on GPU only (the CPU run "
                               "checks the interpreter, its timings mean nothing)")
-        # One compiled function per op for the whole run (torch.compile's default: static
-        # shapes first, dynamic after the first recompile); raise dynamo's recompile limit
+        # One compiled function per op for the whole run; raise dynamo's recompile limit
         # (8 by default), past which it would silently run the function eagerly.
         import torch._dynamo
         for limit in ("cache_size_limit", "recompile_limit"):
@@ -426,11 +463,31 @@ def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                                                          COMPILE_RECOMPILE_LIMIT))
         cache = ctx.shared.setdefault("compiled", {})
         if name not in cache:
-            cache[name] = torch.compile(load("kernels.reference", name))
+            # dynamic=True: one compile per op (and layout) for all token counts.
+            cache[name] = torch.compile(load("kernels.reference", name), dynamic=True,
+                                        options=compile_options())
         return _quantize_call(cache[name], shape, x, _lazy(global_scale, shape))
 
     return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
-            make_path("torch", oracle), make_path("torch_compile", compiled)]
+            make_path("torch", oracle),
+            make_path("torch_compile", compiled, timed=compile_note())]
+
+
+def compile_options() -> dict:
+    """Inductor options that keep the compiled oracle bit-exact with eager torch where
+    Inductor allows it: ``emulate_precision_casts`` keeps eager's bf16/fp32 roundings between
+    fused ops and turns off Triton's mul+add -> FMA contraction (``enable_fp_fusion``), which
+    otherwise changes the last bit of the scale arithmetic and so some FP4 codes."""
+    import torch._inductor.config as inductor
+    return {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") \
+        else {}
+
+
+def compile_note() -> str:
+    if compile_options():
+        return "torch.compile(options={'emulate_precision_casts': True}): eager roundings, no FMA"
+    return ("torch.compile: this torch's Inductor has no emulate_precision_casts, FMA "
+            "contraction stays on (codes may differ in the last bit)")
 
 
 def _lazy(global_scale: Callable[[], torch.Tensor], shape: dict):
@@ -514,7 +571,23 @@ def _permute_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
             return call(fn, backend=backend)
         return factory
 
-    return [make_path("triton", public("triton")), make_path("flashinfer", public("flashinfer")),
+    def triton_path() -> Path:
+        if op != "permute_by_expert":
+            # gather_rows and unpermute_and_reduce check shapes and dtypes on the host only.
+            return make_path("triton", public("triton"), capture_safe=True)
+        path = make_path("triton", public("triton"))
+        if path.run is None:
+            return path
+        fn = load("a2a.permute", op)
+        if accepts(fn, "check_ids"):  # a public sync-free call: time it, check both
+            return Path("triton", run=call(fn, backend="triton", check_ids=False),
+                        checked=path.run, capture_safe=True,
+                        timed="timed: a2a.permute.permute_by_expert(check_ids=False)")
+        return Path("triton", run=path.run,
+                    timed="timed: a2a.permute.permute_by_expert incl. its host-sync id range "
+                          "check (no public sync-free call yet)")
+
+    return [triton_path(), make_path("flashinfer", public("flashinfer")),
             make_path("torch", lambda: call(load("kernels.reference", op)))]
 
 
@@ -526,8 +599,11 @@ def _permute_traffic(shape: dict, inputs=None) -> dict:
         return {"local": 12 * pairs + 8 * e + 4}
     h = shape["hidden"]
     if shape["op"] == "gather_rows":
-        # read the row index P*4 and P rows of bf16; write P rows: 4*P*H + 4*P.
-        return {"local": 4 * pairs * h + 4 * pairs}
+        # Effective bytes (GB/s column, the issue's unit): read the row index P*4 and P rows of
+        # bf16, write P rows: 4*P*H + 4*P. Each token row is read k times, mostly from L2: the
+        # % limit column uses the HBM minimum instead, T rows read once: 2*T*H + 2*P*H + 4*P.
+        return {"local": 4 * pairs * h + 4 * pairs,
+                "hbm_local": 2 * t * h + 2 * pairs * h + 4 * pairs}
     # unpermute_and_reduce: read P rows of bf16, inverse and weights T*k*(4+4); write T rows.
     return {"local": 2 * pairs * h + 8 * pairs + 2 * t * h}
 

@@ -2,8 +2,10 @@
 
 Three clocks, one result type (:class:`Timing`, microseconds):
 
-- :func:`time_gpu`: ``triton.testing.do_bench`` (L2 flushed between calls), or
-  ``triton.testing.do_bench_cudagraph`` (CUDA-graph replay, for launch-bound stages); both give
+- :func:`time_gpu`: :func:`time_eager` (do_bench's scheme, L2 flushed before each call, with
+  a capped call count), or
+  :func:`time_graph` (CUDA-graph replay, for launch-bound paths declared capture-safe; a failed
+  capture is ended and torch's CUDA generator repaired, never left half-captured); both give
   the median and the 20th / 80th percentiles.
 - :func:`time_fixed`: a fixed number of event-timed calls, for collectives: every rank must call
   the op the same number of times (``do_bench`` picks its count from a first estimate, which
@@ -27,9 +29,17 @@ import torch
 
 # Quantiles reported next to the median.
 LOW_Q, HIGH_Q = 0.2, 0.8
-# do_bench budgets in milliseconds: half of Triton's defaults (25 / 100 / 20), enough for stable
-# medians of microsecond kernels, and the full sweep has about a thousand rows.
-WARMUP_MS, REP_MS, GRAPH_REP_MS = 10, 50, 20
+# Eager timing budgets in milliseconds (half of do_bench's defaults, 25 / 100), and the call
+# count clamped to [MIN_EAGER_CALLS, MAX_EAGER_CALLS]: do_bench's uncapped count (rep / time of
+# one call) flushes L2 tens of thousands of times around a microsecond kernel, seconds per row.
+WARMUP_MS, REP_MS = 10, 50
+MIN_EAGER_CALLS, MAX_EAGER_CALLS = 10, 200
+# Zeroed before each eagerly timed call to evict L2 (50 MB on H100/H200), as do_bench does.
+FLUSH_BYTES = 256 << 20
+# CUDA-graph timing: one replay runs enough calls to last about GRAPH_REPLAY_MS (launch-bound
+# calls of a few microseconds: hundreds per replay, capped at MAX_CALLS_PER_GRAPH), sized from
+# GRAPH_ESTIMATE_REPLAYS replays of a one-call graph; GRAPH_SAMPLES replays give the quantiles.
+GRAPH_REPLAY_MS, GRAPH_SAMPLES, GRAPH_ESTIMATE_REPLAYS, MAX_CALLS_PER_GRAPH = 1.0, 20, 3, 500
 # Calls of a collective per measurement (fixed so that every rank issues the same sequence).
 FIXED_WARMUP, FIXED_REPS = 5, 30
 # Interpreter runs: a couple of calls after the checked one, the numbers mean nothing anyway.
@@ -48,6 +58,7 @@ class Timing:
     p20_us: float
     p80_us: float
     method: str
+    remark: str = ""  # e.g. why a graph timing fell back to eager timing
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -63,23 +74,157 @@ def _from_samples(samples_ms: list[float], method: str) -> Timing:
                   _quantile(ordered, HIGH_Q) * 1e3, method)
 
 
-def time_gpu(fn: Callable[[], object], *, graph: bool = False) -> Timing:
-    """Time ``fn`` on the current GPU. ``graph=True`` replays it from a CUDA graph (for
-    launch-bound stages); when capture fails (an op that syncs or allocates on the host),
-    falls back to ``do_bench`` and says so in ``method``."""
-    import triton.testing
+class CaptureFailed(RuntimeError):
+    """A CUDA-graph capture of the timed call failed (it synced or otherwise touched the host)."""
 
-    quantiles = [0.5, LOW_Q, HIGH_Q]
+
+def time_gpu(fn: Callable[[], object], *, graph: bool = False) -> Timing:
+    """Time ``fn`` on the current GPU: :func:`time_eager` (L2 flushed before each call), or, with
+    ``graph=True``, CUDA-graph replay (:func:`time_graph`, for launch-bound paths declared
+    capture-safe, i.e. free of host syncs). A capture that fails anyway is cleaned up (see
+    :func:`time_graph`) and the call is timed eagerly; ``remark`` says so."""
     if graph:
         try:
-            median, low, high = triton.testing.do_bench_cudagraph(fn, rep=GRAPH_REP_MS,
-                                                                  quantiles=quantiles)
-            return Timing(median * 1e3, low * 1e3, high * 1e3, "cuda_graph")
-        except Exception:  # capture refused: fall through to eager timing
-            torch.cuda.synchronize()
-    median, low, high = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS,
-                                                quantiles=quantiles)
-    return Timing(median * 1e3, low * 1e3, high * 1e3, "do_bench")
+            return time_graph(fn)
+        except CaptureFailed as error:
+            timing = time_eager(fn)
+            return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.method,
+                          f"declared capture-safe but the CUDA-graph capture failed ({error}): "
+                          f"timed eagerly")
+    return time_eager(fn)
+
+
+_FLUSH: dict = {}
+
+
+def time_eager(fn: Callable[[], object], *, warmup_ms: float = WARMUP_MS,
+               rep_ms: float = REP_MS) -> Timing:
+    """do_bench's scheme with a capped call count: warm-up calls, then each call between its
+    own CUDA events, after zeroing :data:`FLUSH_BYTES` so that it starts with a cold L2."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _FLUSH:
+        _FLUSH[device] = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    flush = _FLUSH[device]
+    fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 3, 1e-4)
+    for _ in range(int(min(MAX_EAGER_CALLS, max(1, warmup_ms / estimate_ms)))):
+        fn()
+    calls = int(min(MAX_EAGER_CALLS, max(MIN_EAGER_CALLS, rep_ms / estimate_ms)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    for begin, finish in zip(starts, ends):
+        flush.zero_()
+        begin.record()
+        fn()
+        finish.record()
+    torch.cuda.synchronize(device)
+    return _from_samples([b.elapsed_time(f) for b, f in zip(starts, ends)], "eager_l2_flushed")
+
+
+def _brief(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _capture(fn: Callable[[], object], calls: int, stream) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of ``fn`` captured on ``stream``; raises
+    :class:`CaptureFailed` after ending the capture, whatever went wrong.
+
+    ``torch.cuda.graph`` is not used: when the capture is invalidated (a host sync inside
+    ``fn``), its ``__exit__`` raises from ``capture_end`` and skips restoring the stream."""
+    cuda_graph = torch.cuda.CUDAGraph()
+    error: Optional[BaseException] = None
+    with torch.cuda.stream(stream):
+        cuda_graph.capture_begin()
+        try:
+            for _ in range(calls):
+                fn()
+        except Exception as raised:  # e.g. "operation not permitted when stream is capturing"
+            error = raised
+        try:
+            cuda_graph.capture_end()
+        except Exception as raised:  # the capture was invalidated: CUDA still ended it
+            error = error or raised
+    if error is not None:
+        raise CaptureFailed(_brief(error)) from error
+    return cuda_graph
+
+
+def _recover_from_failed_capture(device: torch.device, stream, rng_state: torch.Tensor) -> None:
+    """Undo what a failed capture leaves behind.
+
+    When CUDA invalidates a capture, ``CUDAGraph.capture_end`` raises before it runs the
+    generators' capture epilogue: torch's default CUDA generator keeps believing that it is
+    being captured, and every later random op on the device fails with "Offset increment
+    outside graph capture encountered unexpectedly". A capture that succeeds runs the
+    prologue / epilogue pair again and clears that state; the generator's seed and offset are
+    then restored from ``rng_state`` (taken before the capture)."""
+    torch.cuda.synchronize(device)
+    scratch = torch.zeros(1, device=device)
+    try:
+        _capture(lambda: scratch.add_(1), 1, stream)
+    except Exception:  # judged by the check below
+        pass
+    torch.cuda.synchronize(device)
+    try:
+        torch.empty(1, device=device).uniform_()  # uses the default generator
+    except RuntimeError as error:
+        raise RuntimeError(f"a failed CUDA-graph capture left torch's default CUDA generator "
+                           f"broken ({_brief(error)}); restart the process") from error
+    finally:
+        torch.cuda.set_rng_state(rng_state, device)
+
+
+def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
+               samples: int = GRAPH_SAMPLES) -> Timing:
+    """Time ``fn`` by CUDA-graph replay: a graph of ``n`` calls (``n`` sized so one replay
+    lasts about ``replay_ms``), replayed ``samples`` times between CUDA events; a sample is
+    one replay / ``n``. No L2 flush (launch-bound paths move little data).
+
+    ``fn`` must be capture-safe: no host syncs (``.item()``, ``.tolist()``, data-dependent
+    shapes). If the capture fails anyway, the capture is ended, torch's CUDA generator state
+    is repaired and restored (:func:`_recover_from_failed_capture`) and :class:`CaptureFailed`
+    is raised."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # warm-up: JIT compiles and lazy allocations must not happen under capture
+    torch.cuda.synchronize(device)
+    rng_state = torch.cuda.get_rng_state(device)
+    try:
+        one = _capture(fn, 1, stream)
+        estimate_ms = _replay_ms(one, stream, GRAPH_ESTIMATE_REPLAYS)
+        del one
+        calls = int(max(1, min(MAX_CALLS_PER_GRAPH, round(replay_ms / max(estimate_ms, 1e-4)))))
+        many = _capture(fn, calls, stream)
+    except CaptureFailed:
+        _recover_from_failed_capture(device, stream, rng_state)
+        raise
+    _replay_ms(many, stream, 1)  # warm replay
+    times = [_replay_ms(many, stream, 1) / calls for _ in range(samples)]
+    del many
+    torch.cuda.synchronize(device)
+    return _from_samples(times, "cuda_graph")
+
+
+def _replay_ms(cuda_graph, stream, replays: int) -> float:
+    """Milliseconds per replay of ``cuda_graph`` on ``stream``, over ``replays`` replays."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        for _ in range(replays):
+            cuda_graph.replay()
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def time_fixed(fn: Callable[[], object], *, before: Optional[Callable[[], object]] = None,

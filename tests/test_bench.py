@@ -1,22 +1,50 @@
 """The benchmark's machinery on CPU: the runner's check-before-time rule on a synthetic stage,
 a --quick interpreter sweep of real stages, the JSON / Markdown writers, the bytes formulas and
-the limit, speed-up and target arithmetic (numbers written out by hand)."""
+the limit, speed-up and target arithmetic (numbers written out by hand).
 
+Every run of the real bench goes through a subprocess (``python -m bench``): on a GPU the bench
+times by CUDA-graph capture, which must never run inside the pytest process (a failed capture
+could leave torch's CUDA state broken for every later test), and without a GPU the subprocess
+hides CUDA and runs the interpreter, so the same test runs on both machines."""
+
+import glob
 import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
 
 import pytest
 import torch
 
 from bench import report
-from bench.__main__ import main, parse_args
+from bench.cli import parse_args
 from bench.runner import RunContext, add_speedups, percent_of_limit, run_stages
 from bench.stages import (PERMUTE, QUANTIZE, ROUTING, Path, Stage, Sweep, Unavailable,
                           assert_same, make_path, make_topk)
 from bench.targets import judge_targets
 
 RECORD_KEYS = {"stage", "backend", "gpu", "num_gpus", "shape", "dtype", "time_us", "p20_us",
-               "p80_us", "bytes", "local_bytes", "remote_bytes", "gbps", "pct_of_limit", "ok",
-               "note", "timing"}
+               "p80_us", "bytes", "local_bytes", "remote_bytes", "hbm_bytes", "gbps",
+               "pct_of_limit", "ok", "note", "timing"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Wall-clock limit of one bench subprocess (GPU runs compile kernels first).
+BENCH_TIMEOUT_S = 600
+
+
+def run_bench(args: list[str], out_dir, *, cpu: bool) -> tuple[str, dict]:
+    """``python -m bench ARGS --out OUT_DIR`` in a subprocess (CUDA hidden when ``cpu``);
+    returns its stdout and the JSON it wrote."""
+    env = dict(os.environ)
+    if cpu:
+        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "bench", *args, "--no-progress", "--out",
+                           str(out_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=BENCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = glob.glob(os.path.join(str(out_dir), "*.json"))
+    return done.stdout, json.load(open(path))
 META_KEYS = {"gpu", "driver", "torch", "triton", "flashinfer", "date", "command", "limits"}
 
 TINY = Sweep(tokens=(3, 5), hidden=(32,), experts=(8,), top_k=(2,), routing=("uniform",))
@@ -86,11 +114,19 @@ def test_backend_filter_keeps_the_oracle_for_checking():
     assert all(r["ok"] is False for r in records)  # checked against the (hidden) oracle
 
 
-def test_quick_cpu_sweep_of_real_stages(capsys):
-    records = main(["--quick", "--stages", "routing,prepare", "--no-progress", "--no-plots"])
-    out = capsys.readouterr().out
+def test_quick_cpu_sweep_of_real_stages(tmp_path):
+    out, data = run_bench(["--quick", "--stages", "routing,prepare", "--no-plots", "--bundle"],
+                          tmp_path, cpu=True)
     assert "MEAN NOTHING" in out
+    (archive,) = glob.glob(str(tmp_path / "*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        assert sorted(n.rsplit(".", 1)[1] for n in tar.getnames()) == ["json", "md"]
+    records = data["records"]
     assert {r["stage"] for r in records} == {"routing", "prepare"}
+    local_triton = [r for r in records if r["stage"] == "prepare" and r["backend"] == "triton"
+                    and r["shape"].get("scope") == "local"]
+    assert local_triton and all(r["ok"] is True for r in local_triton), local_triton
+    assert all("check_ids=False" in r["note"] for r in local_triton)  # the sync-free call
     for r in records:
         assert RECORD_KEYS <= set(r)
         assert r["gpu"] == "cpu (Triton interpreter)" and r["num_gpus"] == 1
@@ -136,9 +172,11 @@ def test_bytes_formulas_by_hand():
     # Swizzled NVFP4 [33, 256]: 16,896 + 4,224 + scales padded to 128 x 16 = 2,048.
     assert QUANTIZE.traffic(dict(op="nvfp4_swizzled", tokens=33, hidden=256)) == \
         {"local": 23_168}
-    # gather_rows [65536, 7168] bf16: read + write 65536 rows of 14,336 bytes + the row index.
+    # gather_rows [65536, 7168] bf16: read + write 65536 rows of 14,336 bytes + the row index;
+    # from HBM at least the 8192 token rows once + 65536 rows written + the row index.
     assert PERMUTE.traffic(dict(op="gather_rows", tokens=8192, hidden=7168, experts=256,
-                                top_k=8, routing="uniform")) == {"local": 1_879_310_336}
+                                top_k=8, routing="uniform")) == \
+        {"local": 1_879_310_336, "hbm_local": 1_057_226_752}
     # DeepSeek-V3 routing T=8192 E=256 k=8: logits 8,388,608 + bias 1,024 + ids/weights 524,288.
     assert ROUTING.traffic(dict(method="deepseek_v3", tokens=8192, experts=256, top_k=8,
                                 routing="uniform")) == {"local": 8_913_920}
@@ -177,14 +215,139 @@ def test_targets_pass_and_fail():
     assert "target" not in routing[1]
 
 
-def test_target_shapes_are_in_the_full_sweep():
-    from bench.stages import DEFAULT_SWEEP, PREPARE
+def test_target_shapes_are_in_the_default_and_full_sweeps():
+    from bench.stages import DEFAULT_SWEEP, FULL_SWEEP, PREPARE
     from bench.targets import TARGETS
     stages = {"quantize": QUANTIZE, "routing": ROUTING, "permute": PERMUTE, "prepare": PREPARE}
-    for target in TARGETS:
-        shapes = stages[target.stage].shapes(DEFAULT_SWEEP)
-        assert any(all(s.get(k) == v for k, v in target.match.items()) for s in shapes), \
-            target.text
+    for sweep in (DEFAULT_SWEEP, FULL_SWEEP):
+        for target in TARGETS:
+            shapes = stages[target.stage].shapes(sweep)
+            assert any(all(s.get(k) == v for k, v in target.match.items()) for s in shapes), \
+                target.text
+
+
+def test_default_sweep_is_small_enough_for_one_gpu_call():
+    # About 1 s per shape on an H200 (compiles and torch oracles included): ~150 shapes fit in
+    # the 400 s budget; the full grid is ~4x larger and is run a few stages per call.
+    from bench.stages import DEFAULT_SWEEP, FULL_SWEEP, SINGLE_DEVICE_STAGES
+    from bench.transport import DISTRIBUTED_STAGES
+    count = lambda sweep, stages: sum(len(s.shapes(sweep)) for s in stages)  # noqa: E731
+    assert count(DEFAULT_SWEEP, SINGLE_DEVICE_STAGES) <= 110
+    assert count(DEFAULT_SWEEP, DISTRIBUTED_STAGES) <= 60
+    assert count(FULL_SWEEP, SINGLE_DEVICE_STAGES) >= 3 * count(DEFAULT_SWEEP,
+                                                                SINGLE_DEVICE_STAGES)
+
+
+def test_budget_skips_the_shapes_left_on_every_rank():
+    ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
+    records = run_stages([_cumsum_stage()], TINY, ctx, progress=False, deadline=time.time() - 1)
+    assert len(records) == 2  # one row per shape, nothing run
+    for r in records:
+        assert r["ok"] is None and r["time_us"] is None
+        assert r["note"] == f"skipped: --budget spent; run it alone with --stages cumsum " \
+                            f"--tokens {r['shape']['tokens']}"
+
+
+def test_fast_path_and_its_checked_twin_are_both_checked():
+    """A sync-free timed call (``run``) and the same op with its checks (``checked``): a wrong
+    answer from either fails the row; the note names the timed call."""
+    def paths(inputs, shape, ctx):
+        x = inputs["x"]
+        right = lambda: x * 2  # noqa: E731
+        return [Path("torch", run=right),
+                Path("triton", run=right, checked=right, timed="timed: fast"),
+                Path("flashinfer", run=right, checked=lambda: x * 3, timed="timed: fast"),
+                Path("torch_compile", run=lambda: x * 3, checked=right, timed="timed: fast")]
+    stage = Stage(name="double", keys=("tokens",),
+                  build=lambda shape, device, ctx=None: {"x": torch.ones(shape["tokens"])},
+                  paths=paths, check=lambda out, ref, inputs, shape: assert_same(out, ref),
+                  traffic=lambda shape, inputs=None: {"local": 8}, dtype=lambda shape: "fp32")
+    ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
+    rows = {r["backend"]: r for r in run_stages([stage], TINY, ctx, progress=False)
+            if r["shape"]["tokens"] == 3}
+    assert rows["triton"]["ok"] is True and rows["triton"]["note"] == "timed: fast"
+    assert rows["flashinfer"]["ok"] is False and rows["flashinfer"]["time_us"] is None
+    assert rows["torch_compile"]["ok"] is False and rows["torch_compile"]["time_us"] is None
+
+
+def test_one_plot_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    ctx = RunContext(device=torch.device("cpu"), gpu="cpu (Triton interpreter)")
+    records = run_stages([_cumsum_stage()], TINY, ctx, progress=False)
+    meta = report.make_meta(torch.device("cpu"), 1, {}, "python -m bench --test")
+    written = report.write_results(records, meta, str(tmp_path), plots=True)
+    assert [os.path.splitext(p)[1] for p in written] == [".json", ".md", ".png"]
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in written)
+
+
+def test_cli_sweeps_tokens_and_budget():
+    from bench.cli import deadline, pick_sweep
+    from bench.stages import CPU_QUICK_SWEEP, FULL_SWEEP, QUICK_SWEEP
+    args = parse_args(["--quick", "--tokens", "16,8192"])
+    assert pick_sweep(args, on_gpu=True).tokens == (16, 8192)
+    assert pick_sweep(args, on_gpu=True).hidden == QUICK_SWEEP.hidden
+    assert pick_sweep(args, on_gpu=False).hidden == CPU_QUICK_SWEEP.hidden
+    assert pick_sweep(parse_args(["--sweep", "full"]), on_gpu=True) == FULL_SWEEP
+    assert deadline(parse_args([]), on_gpu=False) is None
+    assert deadline(parse_args(["--budget", "0"]), on_gpu=True) is None
+    left = deadline(parse_args([]), on_gpu=True) - time.time()
+    assert 390 < left <= 400
+    with pytest.raises(SystemExit):
+        parse_args(["--tokens", "16,x"])
+
+
+def test_worker_is_importable_for_spawn():
+    # torch.multiprocessing.spawn pickles the worker by module and name: not __main__.
+    from bench.cli import _worker
+    assert _worker.__module__ == "bench.cli"
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (subprocesses only: no CUDA-graph capture inside the pytest process)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_quick_bench_graph_times_the_capture_safe_paths(tmp_path):
+    _, data = run_bench(["--quick", "--tokens", "16", "--stages", "routing,prepare,permute",
+                         "--backends", "triton,torch", "--no-plots", "--budget", "0"], tmp_path,
+                        cpu=False)
+    rows = [r for r in data["records"] if r["backend"] == "triton"]
+    assert rows
+    for r in rows:
+        assert r["ok"] is not False, r
+        if r["ok"] and "host-sync" not in r["note"]:
+            assert r["timing"] == "cuda_graph", r  # declared capture-safe, and it was
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_is_cleaned_up():
+    """A path that syncs on the host cannot be captured: the graph timer must end the
+    capture, fall back to eager timing and leave torch's CUDA random generator usable."""
+    script = (
+        "import torch\n"
+        "from bench.timing import time_gpu\n"
+        "x = torch.ones(1024, device='cuda')\n"
+        "t = time_gpu(lambda: x.sum().item(), graph=True)\n"
+        "assert t.method == 'eager_l2_flushed' and 'capture failed' in t.remark, t\n"
+        "torch.randint(0, 10, (8,), device='cuda')\n"
+        "torch.randn(8, device='cuda')\n"
+        "g = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(g):\n"
+        "    y = torch.rand(8, device='cuda')\n"
+        "g.replay(); torch.cuda.synchronize()\n"
+        "print('clean')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=BENCH_TIMEOUT_S)
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.multigpu
+def test_two_gpu_bench_spawns_its_workers(tmp_path):
+    _, data = run_bench(["--gpus", "2", "--quick", "--tokens", "16", "--stages",
+                         "prepare,dispatch", "--no-plots", "--budget", "0"], tmp_path, cpu=False)
+    dispatch = [r for r in data["records"] if r["stage"] == "dispatch"]
+    assert dispatch and all(r["num_gpus"] == 2 for r in dispatch)
+    assert not any(r["ok"] is False for r in dispatch if r["backend"] == "triton"), dispatch
 
 
 def test_skewed_routing_is_skewed_and_distinct():

@@ -1,0 +1,223 @@
+"""The command line of the bench (``python -m bench``, ``moe-a2a-bench``): options, the sweep,
+one process per GPU, the report. Lives in an importable module (not ``__main__``) so that
+``torch.multiprocessing.spawn`` can pickle the per-GPU worker by name.
+"""
+
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import sys
+import tarfile
+import time
+from typing import Optional
+
+import torch
+
+# Without CUDA, Triton kernels can only run in its interpreter, which must be chosen before
+# triton is imported (nothing under bench/ imports it at module level).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench import report  # noqa: E402
+from bench.runner import RunContext, add_speedups, run_stages  # noqa: E402
+from bench.stages import (CPU_QUICK_SWEEP, CPU_SWEEP, DEFAULT_SWEEP, FULL_SWEEP,  # noqa: E402
+                          QUICK_SWEEP, SINGLE_DEVICE_STAGES, Stage, Sweep)
+from bench.targets import judge_targets  # noqa: E402
+from bench.timing import measure_limits  # noqa: E402
+from bench.transport import DISTRIBUTED_STAGES, not_distributed_record  # noqa: E402
+
+ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + DISTRIBUTED_STAGES
+STAGE_NAMES = tuple(dict.fromkeys(s.name for s in ALL_STAGES))
+BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "torch", "torch_compile")
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=2)
+SWEEPS = {"quick": (QUICK_SWEEP, CPU_QUICK_SWEEP), "default": (DEFAULT_SWEEP, CPU_SWEEP),
+          "full": (FULL_SWEEP, CPU_SWEEP)}
+# Seconds of sweep on a GPU before no further shape starts: with start-up, the limits and the
+# shape running at the deadline, one call stays under about 8 minutes (the GPU calls that run
+# the bench are limited to 10). The default sweep is sized to finish well inside it.
+DEFAULT_GPU_BUDGET_S = 400
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", default=",".join(STAGE_NAMES),
+                        help=f"comma-separated subset of {','.join(STAGE_NAMES)}")
+    parser.add_argument("--backends", default=None,
+                        help=f"comma-separated subset of {','.join(BACKEND_NAMES)} "
+                             "(the torch oracle still runs to check the others)")
+    parser.add_argument("--sweep", choices=tuple(SWEEPS), default="default",
+                        help="quick: 3 token counts of one shape; default: DeepSeek-V3 shapes "
+                             "(H=7168 E=256 k=8), 6 token counts, 2 routings, the target "
+                             "shapes; full: also H=4096, E=64, k=4 (run a few --stages per call)")
+    parser.add_argument("--quick", action="store_true", help="same as --sweep quick")
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated token counts replacing the sweep's (e.g. 16,8192)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"seconds of sweep after which no shape starts (the rest are listed "
+                             f"as skipped); GPU default {DEFAULT_GPU_BUDGET_S}, 0 = no limit")
+    parser.add_argument("--bundle", action="store_true",
+                        help="also pack this run's files (JSON, Markdown, plot) into one "
+                             "<name>.tar.gz in the --out folder")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="one process per GPU; 2+ adds dispatch, combine and layer")
+    parser.add_argument("--out", default=None,
+                        help=f"where to write JSON, Markdown and plots (GPU default: "
+                             f"{DEFAULT_OUT}; CPU: nothing is written without --out)")
+    parser.add_argument("--targets", action="store_true",
+                        help="add a PASS/FAIL column for the rows with a stated target")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    args = parser.parse_args(argv)
+    args.stage_list = _choose(args.stages, STAGE_NAMES, "--stages")
+    args.backend_set = (set(_choose(args.backends, BACKEND_NAMES, "--backends"))
+                        if args.backends else None)
+    if args.quick:
+        args.sweep = "quick"
+    args.deadline = None  # main() sets it from --budget when the run starts
+    try:
+        args.token_list = (tuple(int(t) for t in args.tokens.split(",") if t.strip())
+                           if args.tokens else None)
+    except ValueError:
+        raise SystemExit(f"--tokens {args.tokens!r}: comma-separated integers, e.g. 16,8192")
+    args.command = " ".join(["python -m bench"] + list(argv if argv is not None
+                                                       else sys.argv[1:]))
+    return args
+
+
+def _choose(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    chosen = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in chosen if t not in allowed]
+    if unknown:
+        raise SystemExit(f"{option}: unknown {unknown}; choose from {','.join(allowed)}")
+    return chosen
+
+
+def pick_sweep(args: argparse.Namespace, on_gpu: bool) -> Sweep:
+    """The sweep named by --sweep (its tiny interpreter twin without a GPU), with --tokens."""
+    gpu_sweep, cpu_sweep = SWEEPS[args.sweep]
+    sweep = gpu_sweep if on_gpu else cpu_sweep
+    if args.token_list:
+        sweep = dataclasses.replace(sweep, tokens=args.token_list)
+    return sweep
+
+
+def deadline(args: argparse.Namespace, on_gpu: bool) -> Optional[float]:
+    """``time.time()`` after which no shape starts (None: no limit)."""
+    budget = args.budget if args.budget is not None else (DEFAULT_GPU_BUDGET_S if on_gpu
+                                                           else 0)
+    return time.time() + budget if budget > 0 else None
+
+
+def run_bench(args: argparse.Namespace, ctx: RunContext) -> list[dict]:
+    """Run the selected stages in this process; returns the records on rank 0 (all of them)
+    and the distributed records on the other ranks."""
+    on_gpu = ctx.device.type == "cuda"
+    sweep = pick_sweep(args, on_gpu)
+    ctx.shared["sweep"] = sweep
+    progress = not args.no_progress
+    records: list[dict] = []
+    distributed = [s for s in DISTRIBUTED_STAGES if s.name in args.stage_list]
+    if ctx.world_size >= 2:
+        records += run_stages(distributed, sweep, ctx, backends=args.backend_set,
+                              progress=progress, deadline=args.deadline)
+    elif ctx.rank == 0:
+        records += [not_distributed_record(s, ctx) for s in distributed]
+    if ctx.rank == 0:
+        local = RunContext(device=ctx.device, gpu=ctx.gpu, world_size=ctx.world_size,
+                           limits=ctx.limits)
+        single = [s for s in SINGLE_DEVICE_STAGES if s.name in args.stage_list]
+        records = run_stages(single, sweep, local, backends=args.backend_set,
+                             progress=progress, deadline=args.deadline) + records
+    return records
+
+
+def finish(args: argparse.Namespace, records: list[dict], ctx: RunContext) -> list[str]:
+    """Speed-ups, targets, the table; the files when asked for (or by default on a GPU)."""
+    add_speedups(records)
+    if args.targets:
+        judge_targets(records)
+    meta = report.make_meta(ctx.device, ctx.world_size, ctx.limits, args.command)
+    print(report.format_table(records, meta, with_targets=args.targets))
+    out = args.out or (DEFAULT_OUT if ctx.device.type == "cuda" else None)
+    if out is None:
+        print("(no GPU: results not written; pass --out DIR to keep them)", file=sys.stderr)
+        return []
+    written = report.write_results(records, meta, out, with_targets=args.targets,
+                                   plots=not args.no_plots)
+    if args.bundle:
+        written.append(bundle(written))
+    print("wrote " + ", ".join(written), file=sys.stderr)
+    return written
+
+
+def bundle(paths: list[str]) -> str:
+    """Pack ``paths`` (one run's files, all in one folder) into ``<stem>.tar.gz`` next to them:
+    one file to fetch instead of several."""
+    stem = os.path.splitext(paths[0])[0]
+    archive = stem + ".tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in paths:
+            tar.add(path, arcname=os.path.basename(path))
+    return archive
+
+
+def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    """One process per GPU: NCCL group, limits on rank 0, the distributed stages on every rank,
+    then the single-GPU stages and the report on rank 0."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device,
+                            timeout=PROCESS_GROUP_TIMEOUT)
+    try:
+        limits = measure_limits(device) if rank == 0 else {}
+        dist.barrier()
+        ctx = RunContext(device=device, gpu=report.gpu_name(device), rank=rank,
+                         world_size=world_size, group=dist.group.WORLD, limits=limits)
+        records = run_bench(args, ctx)
+        if rank == 0:
+            finish(args, records, ctx)
+        # The other ranks wait here for rank 0's single-GPU sweep, so that no peer-mapped
+        # workspace is torn down while a rank may still use it.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    """Entry point of ``python -m bench`` and ``moe-a2a-bench``; returns the records of a
+    single-process run (empty for ``--gpus N > 1``, where rank 0 reports)."""
+    args = parse_args(argv)
+    args.deadline = deadline(args, torch.cuda.is_available())
+    if args.gpus > 1:
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < args.gpus:
+            raise SystemExit(f"--gpus {args.gpus}: only {available} CUDA GPU(s) visible")
+        import torch.multiprocessing as mp
+        mp.spawn(_worker, args=(args.gpus, _free_port(), args), nprocs=args.gpus, join=True)
+        return []
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        limits = measure_limits(device)
+    else:
+        device, limits = torch.device("cpu"), {}
+    ctx = RunContext(device=device, gpu=report.gpu_name(device), limits=limits)
+    records = run_bench(args, ctx)
+    finish(args, records, ctx)
+    return records
+
+
