@@ -16,9 +16,13 @@ then replaced by ``KEY_NONE`` (keys are unique, so exactly one entry goes). Work
 scores [1.0, 3.0, 3.0] (ID_LIMIT - id = 65535, 65534, 65533): keys (k(1), 65535),
 (k(3), 65534), (k(3), 65533); round 1 takes (k(3), 65534) = id 1, round 2 (k(3), 65533) = id 2.
 
-DeepSeek-V3 first scores each group (top-2 sum of its biased scores: the max, then the max
-with the argmax key removed), keeps ``TOPK_GROUPS`` groups by the same packed-key rounds over
-group indices, and sets the keys of the dropped groups to ``KEY_NONE``.
+DeepSeek-V3 first scores each group (top-2 sum of its biased scores: the max, plus the max
+again if it occurs twice, else the largest score below it -- fp32 reductions only), keeps
+``TOPK_GROUPS`` groups by the same packed-key rounds over group indices, and then either sets
+the keys of the dropped groups to ``KEY_NONE`` (``COMPACT = COMPACT_NONE``) or builds a
+narrower tile of the kept groups' candidates only (4 kept groups x 32 = 128 keys instead of 256
+for DeepSeek-V3), by a register gather (``COMPACT_GATHER``) or by re-reading those logits
+(``COMPACT_RELOAD``), so that the k argmax rounds scan half as many keys.
 
 The weights are formed after selection from the chosen logits, re-read from memory (a few
 cached loads per row) rather than carried through the selection rounds.
@@ -48,10 +52,22 @@ MAX_EXPERTS = 512
 # 32 lanes x 4-element vectors cover 128 columns) and every round then goes through shared
 # memory and a barrier (seen in the SM90 SASS: 41 barriers instead of 1).
 NUM_WARPS = 1
-# Elements (tokens x padded experts) one program holds: 512 = 16 per lane, i.e. 16 int64 keys
-# plus their fp32 scores (64 registers in the SM90 build for DeepSeek-V3), leaving room for
-# many resident warps per SM; T=8192, E=256 gives 4096 one-warp programs. Not yet swept on H200.
+# Elements (tokens x padded experts) one program holds at most: 512 = 16 per lane, i.e. 16
+# int64 keys plus their fp32 scores (64 registers in the SM90 build for DeepSeek-V3), leaving
+# room for many resident warps per SM; T=8192, E=256 gives 4096 one-warp programs.
 ELEMENTS_PER_PROGRAM = 512
+# Small batches get one row per program instead: at T=16 the kernel time is the latency of one
+# program's serial chain of reductions, and 2 rows per warp double it. 1024 programs (about 8
+# per SM) keep the large-T rule above (T=8192: 8 rows wanted, 512 // 256 = 2 allowed).
+TARGET_PROGRAMS = 1024
+# Launch rules are swept by .gpu-diag/time_routing.py (untracked) on an H200; the defaults
+# here are the last measured ones (T=8192 DeepSeek-V3 18.1 us, H200, 2 rows / 1 warp).
+
+# How DeepSeek-V3 narrows the selection to the kept groups (the ``COMPACT`` constexpr).
+COMPACT_NONE = 0     # keep the full-row tile, dropped groups' keys set to KEY_NONE
+COMPACT_GATHER = 1   # tl.gather the kept groups' keys into a [B, KEEP_PAD * GROUP_PAD] tile
+COMPACT_RELOAD = 2   # re-read the kept groups' logits (cached) and rebuild their keys
+COMPACT_DEFAULT = COMPACT_NONE  # until the sweep says otherwise
 
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
 SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
@@ -108,6 +124,7 @@ def _route_topk_kernel(
     EXPERTS_PER_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    KEEP_PAD: tl.constexpr, COMPACT: tl.constexpr,
     SELECT_BIASED_SIGMOID: tl.constexpr, WEIGHTS: tl.constexpr, PRECISE_MATH: tl.constexpr,
 ):
     KEY_NONE: tl.constexpr = -(2**63)  # below every packed key: removed / padding / dropped
@@ -138,23 +155,49 @@ def _route_topk_kernel(
     keys = tl.where(expert_ok[None, :], _pack(score, expert[None, :]), KEY_NONE)
 
     if TOPK_GROUPS < NUM_GROUPS:
-        # Group score = best + second best biased score of the group.
-        keys3 = tl.reshape(keys, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        # Group score = best + second best biased score of the group. The second best is the
+        # best again when it occurs twice (one copy is removed, as the oracle's topk(2) does).
         score3 = tl.reshape(score, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
-        best_key = tl.max(keys3, axis=2)                                         # [B, G]
-        first = tl.max(score3, axis=2)
-        second = tl.max(tl.where(keys3 == best_key[:, :, None], float("-inf"), score3), axis=2)
+        first = tl.max(score3, axis=2)                                           # [B, G]
+        is_first = score3 == first[:, :, None]
+        copies = tl.sum(is_first.to(tl.int32), axis=2)
+        below = tl.max(tl.where(is_first, float("-inf"), score3), axis=2)
+        second = tl.where(copies >= 2, first, below)
         groups = tl.arange(0, GROUPS_PAD)[None, :]
         group_keys = tl.where(groups < NUM_GROUPS, _pack(first + second, groups), KEY_NONE)
+        # Kept groups, in order of group score: column s * GROUP_PAD + j of the compact tile
+        # is slot j of the s-th kept group.
+        compact_columns = tl.arange(0, KEEP_PAD * GROUP_PAD)
+        compact_rank = compact_columns // GROUP_PAD
+        compact_slot = compact_columns % GROUP_PAD
+        compact_group = tl.zeros([BLOCK_TOKENS, KEEP_PAD * GROUP_PAD], dtype=tl.int32)
         kept = tl.zeros([BLOCK_TOKENS, GROUPS_PAD], dtype=tl.int1)
-        for _ in tl.static_range(TOPK_GROUPS):
+        for r in tl.static_range(TOPK_GROUPS):
             best_group = tl.max(group_keys, axis=1)
             hit = group_keys == best_group[:, None]
             kept = kept | hit
             group_keys = tl.where(hit, KEY_NONE, group_keys)
-        kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
-        kept_columns = tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD])
-        keys = tl.where(kept_columns, keys, KEY_NONE)
+            if COMPACT != 0:
+                group_id = -(best_group & 0xFFFF).to(tl.int32) + ID_LIMIT            # [B]
+                compact_group = tl.where(compact_rank[None, :] == r, group_id[:, None],
+                                         compact_group)
+        if COMPACT == 0:  # COMPACT_NONE
+            kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+            kept_columns = tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD])
+            keys = tl.where(kept_columns, keys, KEY_NONE)
+        else:
+            compact_ok = ((compact_rank < TOPK_GROUPS)
+                          & (compact_slot < EXPERTS_PER_GROUP))[None, :]          # [1, C']
+            if COMPACT == 1:  # COMPACT_GATHER
+                source = compact_group * GROUP_PAD + compact_slot[None, :]
+                keys = tl.where(compact_ok, tl.gather(keys, source, axis=1), KEY_NONE)
+            else:  # COMPACT_RELOAD
+                expert2 = compact_group * EXPERTS_PER_GROUP + compact_slot[None, :]  # [B, C']
+                x2 = tl.load(row_base[:, None] + expert2 * stride_expert, mask=compact_ok,
+                             other=float("-inf")).to(tl.float32)
+                bias2 = tl.load(bias_ptr + expert2, mask=compact_ok, other=0.0)
+                score2 = _sigmoid(x2, PRECISE_MATH) + bias2
+                keys = tl.where(compact_ok, _pack(score2, expert2), KEY_NONE)
 
     # k rounds of argmax; ids[:, j] = the j-th best expert of each row.
     slots = tl.arange(0, K_PAD)
@@ -193,6 +236,49 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int,
+            topk_groups: int, routed_scaling: float, *, rows_per_program=None, num_warps=None,
+            compact=None):
+    """Allocate the outputs and launch the kernel on checked arguments (``num_groups`` and
+    ``topk_groups`` already filled in by ``check_routing_args``). ``rows_per_program`` (a power
+    of two), ``num_warps`` and ``compact`` (a ``COMPACT_*``) override the launch rule, for the
+    sweep in .gpu-diag/time_routing.py; None takes the default."""
+    num_tokens, num_experts = logits.shape
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
+    if num_tokens == 0:
+        return ids, weights
+    select_biased, weight_rule = _METHODS[method]
+    if bias is None:
+        bias = weights  # never read (SELECT_BIASED_SIGMOID is off); any pointer will do
+    elif not bias.is_contiguous():
+        bias = bias.contiguous()
+    # Only DeepSeek-V3 with dropped groups needs the group axis; otherwise one group of all E.
+    grouped = topk_groups < num_groups
+    groups = num_groups if grouped else 1
+    experts_per_group = num_experts // groups
+    groups_pad = triton.next_power_of_2(groups)
+    group_pad = triton.next_power_of_2(experts_per_group)
+    if rows_per_program is None:
+        rows_per_program = max(1, min(ELEMENTS_PER_PROGRAM // (groups_pad * group_pad),
+                                      triton.next_power_of_2(-(-num_tokens // TARGET_PROGRAMS))))
+    grid = (-(-num_tokens // rows_per_program),)
+    _route_topk_kernel[grid](
+        logits, bias, ids, weights,
+        num_tokens, logits.stride(0), logits.stride(1), float(routed_scaling),
+        EXPERTS_PER_GROUP=experts_per_group, NUM_GROUPS=groups,
+        TOPK_GROUPS=topk_groups if grouped else 1,
+        GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=rows_per_program,
+        KEEP_PAD=triton.next_power_of_2(topk_groups) if grouped else 1,
+        COMPACT=COMPACT_DEFAULT if compact is None else compact,
+        SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
+        PRECISE_MATH=not _interpreting(),
+        num_warps=NUM_WARPS if num_warps is None else num_warps,
+    )
+    return ids, weights
+
+
 def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_groups=None,
                topk_groups=None, routed_scaling: float = 1.0):
     """Top-k expert routing (Triton). Same contract as ``kernels.reference.route_topk``.
@@ -210,40 +296,13 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         topk_ids: [T, k] int32, expert ids in descending selection score, ties to the smaller
             id (identical to the oracle's).
         topk_weights: [T, k] float32, the weight of each chosen expert.
+
+    No host synchronisation: safe to capture in a CUDA graph.
     """
     num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
                                                  topk_groups, routed_scaling)
-    num_tokens, num_experts = logits.shape
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"logits have {num_experts} experts; the Triton routing kernel holds a "
-                         f"row in registers and takes E <= {MAX_EXPERTS} (use backend='torch')")
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
-    if num_tokens == 0:
-        return ids, weights
-    select_biased, weight_rule = _METHODS[method]
-    if bias is None:
-        bias = weights  # never read (SELECT_BIASED_SIGMOID is off); any pointer will do
-    else:
-        bias = bias.contiguous()
-    # Only DeepSeek-V3 with dropped groups needs the group axis; otherwise one group of all E.
-    grouped = topk_groups < num_groups
-    groups = num_groups if grouped else 1
-    experts_per_group = num_experts // groups
-    groups_pad = triton.next_power_of_2(groups)
-    group_pad = triton.next_power_of_2(experts_per_group)
-    block_tokens = max(1, min(ELEMENTS_PER_PROGRAM // (groups_pad * group_pad),
-                              triton.next_power_of_2(num_tokens)))
-    grid = (triton.cdiv(num_tokens, block_tokens),)
-    _route_topk_kernel[grid](
-        logits, bias, ids, weights,
-        num_tokens, logits.stride(0), logits.stride(1), float(routed_scaling),
-        EXPERTS_PER_GROUP=experts_per_group, NUM_GROUPS=groups,
-        TOPK_GROUPS=topk_groups if grouped else 1,
-        GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=block_tokens,
-        SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
-        PRECISE_MATH=not _interpreting(),
-        num_warps=NUM_WARPS,
-    )
-    return ids, weights
+    if logits.shape[1] > MAX_EXPERTS:
+        raise ValueError(f"logits have {logits.shape[1]} experts; the Triton routing kernel "
+                         f"holds a row in registers and takes E <= {MAX_EXPERTS} "
+                         f"(use backend='torch')")
+    return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling)

@@ -313,3 +313,36 @@ def test_flashinfer_deepseek_matches_triton_except_near_ties(device, num_tokens,
     # Where no near-tie exists among the k+1 best, the order agrees too (best first).
     exact = same & ~near_inside
     assert torch.equal(fi_ids[exact], ids[exact])
+
+
+# Launch variants the sweep (.gpu-diag/time_routing.py) may pick: each must give the oracle's
+# ids. (rows_per_program, num_warps, compact)
+VARIANTS = [(1, 1, routing.COMPACT_NONE), (4, 2, routing.COMPACT_NONE),
+            (2, 1, routing.COMPACT_GATHER), (1, 1, routing.COMPACT_RELOAD),
+            (2, 2, routing.COMPACT_RELOAD)]
+
+
+@pytest.mark.parametrize("rows, warps, compact", VARIANTS)
+@pytest.mark.parametrize("num_experts, groups, top_k", [(256, (8, 4), 8), (60, (5, 2), 4)])
+def test_launch_variants_match_oracle(device, rows, warps, compact, num_experts, groups, top_k):
+    logits = make_logits(37, num_experts, torch.float32, device)
+    kwargs = routing_kwargs("deepseek_v3", num_experts, device, groups)
+
+    def run(logits, top_k, method, **kw):
+        num_groups, topk_groups = reference.check_routing_args(logits, top_k, method, **kw)
+        return routing._launch(logits, top_k, method, kw["bias"], num_groups, topk_groups,
+                               kw["routed_scaling"], rows_per_program=rows, num_warps=warps,
+                               compact=compact)
+
+    check_against_oracle(logits, top_k, "deepseek_v3", run=run, **kwargs)
+
+
+@pytest.mark.parametrize("rows, warps", [(1, 1), (8, 4)])
+def test_launch_variants_match_oracle_softmax(device, rows, warps):
+    logits = make_logits(37, 128, torch.bfloat16, device)
+
+    def run(logits, top_k, method):
+        return routing._launch(logits, top_k, method, None, 1, 1, 1.0, rows_per_program=rows,
+                               num_warps=warps)
+
+    check_against_oracle(logits, 4, "softmax_topk", run=run)
