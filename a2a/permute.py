@@ -39,7 +39,7 @@ def _implementation(backend: Optional[str], tensor: torch.Tensor, name: str) -> 
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
                       num_local_experts: Optional[int] = None, align: int = 1,
-                      backend: Optional[str] = None) -> Permutation:
+                      check_ids: bool = True, backend: Optional[str] = None) -> Permutation:
     """Expert-major order of the locally owned (token, slot) pairs.
 
     Arguments:
@@ -50,6 +50,9 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         num_local_experts: E_local; default ``num_experts - first_expert``.
         align: pad every expert's segment up to a multiple of this (e.g. the grouped GEMM's
             tile height; 1 = no padding).
+        check_ids: True: raise ValueError for an id outside ``[0, num_experts]`` (one host
+            sync on a GPU: Triton checks on the device and reads the result once). False: no
+            sync (CUDA graphs, benchmarks); out-of-range ids are skipped as not owned.
         backend: "triton", "torch" or "auto"; None takes the default (``MOE_A2A_BACKENDS``).
 
     Returns:
@@ -60,7 +63,8 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     """
     impl = _implementation(backend, topk_ids, "topk_ids")
     return impl.permute_by_expert(topk_ids, num_experts, first_expert=first_expert,
-                                  num_local_experts=num_local_experts, align=align)
+                                  num_local_experts=num_local_experts, align=align,
+                                  check_ids=check_ids)
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,

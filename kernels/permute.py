@@ -23,7 +23,7 @@ import triton.language as tl
 from kernels.reference import (_check_gather_inputs, _check_permute_inputs,
                                _check_unpermute_inputs, _permutation_capacity)
 from kernels.types import UNUSED, Permutation
-from kernels.validate import check_tensor
+from kernels.validate import check_expert_ids, check_tensor
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
 UNUSED_ENTRY = tl.constexpr(UNUSED)
@@ -62,32 +62,54 @@ UNUSED_ENTRY = tl.constexpr(UNUSED)
 
 
 @triton.jit
-def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, source_rows_ptr, num_pairs,
-                                num_blocks, capacity, first_expert, num_local_experts,
-                                BLOCK_PAIRS: tl.constexpr, EXPERT_BINS: tl.constexpr):
+def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, block_id_range_ptr,
+                                source_rows_ptr, num_pairs, num_blocks, capacity, first_expert,
+                                num_local_experts, BLOCK_PAIRS: tl.constexpr,
+                                EXPERT_BINS: tl.constexpr):
     """Pass 1: ``block_counts[b, e]`` = owned pairs of local expert e among block b's pairs;
+    ``block_id_range[b] = (min, max)`` of block b's global ids (the device-side range check);
     and ``source_rows[p] = UNUSED`` over the program's stretch (the grid covers all P >= T*k
-    entries)."""
+    entries). An id outside the local range -- including an out-of-range one -- is not owned."""
     block = tl.program_id(0)
     pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
     tl.store(source_rows_ptr + pairs, tl.full([BLOCK_PAIRS], UNUSED_ENTRY, tl.int32),
              mask=pairs < capacity)
     if block < num_blocks:
         valid = pairs < num_pairs
-        local = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1) - first_expert
+        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
+        local = ids - first_expert
         owned = valid & (local >= 0) & (local < num_local_experts)
         counts = tl.histogram(tl.where(owned, local, 0), EXPERT_BINS, mask=owned)
         bins = tl.arange(0, EXPERT_BINS)
         tl.store(block_counts_ptr + block * num_local_experts + bins, counts,
                  mask=bins < num_local_experts)
+        # (masked pairs read 0, a valid id: they move neither end of the range)
+        tl.store(block_id_range_ptr + 2 * block, tl.min(ids, axis=0))
+        tl.store(block_id_range_ptr + 2 * block + 1, tl.max(ids, axis=0))
 
 
 @triton.jit
-def _scan_blocks_kernel(block_counts_ptr, block_starts_ptr, expert_counts_ptr, num_blocks,
-                        num_local_experts, SCAN_BLOCKS: tl.constexpr,
-                        EXPERT_CHUNK: tl.constexpr):
+def _scan_blocks_kernel(block_counts_ptr, block_starts_ptr, expert_counts_ptr,
+                        block_id_range_ptr, id_range_ptr, num_blocks, num_local_experts,
+                        SCAN_BLOCKS: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
     """Pass 2: for one chunk of experts, an exclusive scan of ``block_counts`` down the blocks
-    (``block_starts``); the column totals are ``expert_counts``."""
+    (``block_starts``); the column totals are ``expert_counts``. Program 0 also reduces
+    ``block_id_range`` into ``id_range = (min(0, smallest id), max(0, largest id))`` (0 is a
+    valid id, so the range check is unchanged; no pairs give (0, 0))."""
+    if tl.program_id(0) == 0:
+        low = tl.full([], 0, tl.int32)
+        high = tl.full([], 0, tl.int32)
+        first_block = 0
+        while first_block < num_blocks:
+            blocks = first_block + tl.arange(0, SCAN_BLOCKS)
+            in_range = blocks < num_blocks
+            low = tl.minimum(low, tl.min(tl.load(block_id_range_ptr + 2 * blocks,
+                                                 mask=in_range, other=0), axis=0))
+            high = tl.maximum(high, tl.max(tl.load(block_id_range_ptr + 2 * blocks + 1,
+                                                   mask=in_range, other=0), axis=0))
+            first_block += SCAN_BLOCKS
+        tl.store(id_range_ptr, low)
+        tl.store(id_range_ptr + 1, high)
     experts = tl.program_id(0) * EXPERT_CHUNK + tl.arange(0, EXPERT_CHUNK)
     expert_ok = experts < num_local_experts
     totals = tl.zeros([EXPERT_CHUNK], tl.int32)      # pairs in the blocks scanned so far
@@ -153,42 +175,64 @@ SCAN_BLOCKS = 128
 MIN_HISTOGRAM_BINS = 32
 
 
-def _launch_permute(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
-                    align: int) -> Permutation:
-    """The three passes, without the input checks (which read the ids: a host sync)."""
+def _pieces(*sizes: int) -> list[int]:
+    """Sizes rounded up to whole 128-byte stretches of int32, so that every view cut from one
+    allocation starts 16-byte aligned (Triton specialises pointers on that)."""
+    return [-(-size // 32) * 32 for size in sizes]
+
+
+def _launch_permute(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
+                    num_local_experts: int, align: int, check_ids: bool) -> Permutation:
+    """The three passes on checked arguments (everything but the id range). Two allocations
+    (the results, one scratch buffer), three launches; with ``check_ids`` one host read of
+    the id range after the launches."""
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     capacity = _permutation_capacity(num_pairs, num_local_experts, align)
     num_blocks = triton.cdiv(num_pairs, BLOCK_PAIRS)
 
-    block_counts = torch.empty((num_blocks, num_local_experts), dtype=torch.int32, device=device)
-    block_starts = torch.empty_like(block_counts)
-    source_rows = torch.empty(capacity, dtype=torch.int32, device=device)
-    expert_counts = torch.empty(num_local_experts, dtype=torch.int32, device=device)
-    expert_offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=device)
-    inverse = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    # Results: views of one int32 allocation.
+    sizes = (capacity, num_local_experts, num_local_experts + 1, num_pairs)
+    padded = _pieces(*sizes)
+    results = torch.empty(sum(padded), dtype=torch.int32, device=device)
+    source_rows, expert_counts, expert_offsets, inverse = (
+        piece[:size] for piece, size in zip(torch.split(results, padded), sizes))
+    # Scratch: block_counts / block_starts [num_blocks, E_local], block_id_range [num_blocks, 2],
+    # id_range [2].
+    sizes = (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks, 2)
+    padded = _pieces(*sizes)
+    scratch = torch.empty(sum(padded), dtype=torch.int32, device=device)
+    block_counts, block_starts, block_id_range, id_range = torch.split(scratch, padded)
 
     fill_blocks = triton.cdiv(capacity, BLOCK_PAIRS)      # capacity >= num_pairs
     if fill_blocks > 0:
         bins = max(MIN_HISTOGRAM_BINS, triton.next_power_of_2(num_local_experts))
         _count_block_experts_kernel[(fill_blocks,)](
-            topk_ids, block_counts, source_rows, num_pairs, num_blocks, capacity, first_expert,
-            num_local_experts, BLOCK_PAIRS=BLOCK_PAIRS, EXPERT_BINS=bins, num_warps=4)
+            topk_ids, block_counts, block_id_range, source_rows, num_pairs, num_blocks,
+            capacity, first_expert, num_local_experts, BLOCK_PAIRS=BLOCK_PAIRS,
+            EXPERT_BINS=bins, num_warps=4)
     _scan_blocks_kernel[(triton.cdiv(num_local_experts, EXPERT_CHUNK),)](
-        block_counts, block_starts, expert_counts, num_blocks, num_local_experts,
-        SCAN_BLOCKS=SCAN_BLOCKS, EXPERT_CHUNK=EXPERT_CHUNK, num_warps=4)
+        block_counts, block_starts, expert_counts, block_id_range, id_range, num_blocks,
+        num_local_experts, SCAN_BLOCKS=SCAN_BLOCKS, EXPERT_CHUNK=EXPERT_CHUNK, num_warps=4)
     # At least one program, so that expert_offsets is written when there are no pairs.
     _place_pairs_kernel[(max(num_blocks, 1),)](
         topk_ids, block_starts, expert_counts, expert_offsets, source_rows, inverse, num_pairs,
         first_expert, num_local_experts, align, BLOCK_PAIRS=BLOCK_PAIRS,
         EXPERT_CHUNK=EXPERT_CHUNK, num_warps=PLACE_WARPS)
+    if check_ids:
+        low, high = id_range[:2].tolist()                 # the one host sync
+        if low < 0 or high > num_experts:
+            # The shared check on the two extremes: the oracle's error, word for word.
+            check_expert_ids("topk_ids", torch.tensor([low, high], dtype=torch.int32),
+                             num_experts, allow_padding=True)
     return Permutation(source_rows=source_rows, expert_counts=expert_counts,
                        expert_offsets=expert_offsets, inverse=inverse,
                        top_k=topk_ids.shape[1], align=align)
 
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
-                      num_local_experts: Optional[int] = None, align: int = 1) -> Permutation:
+                      num_local_experts: Optional[int] = None, align: int = 1,
+                      check_ids: bool = True) -> Permutation:
     """Expert-major order of the locally owned (token, slot) pairs (see :class:`Permutation`);
     equal, field for field, to ``kernels.reference.permute_by_expert``.
 
@@ -199,18 +243,21 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         first_expert: the first global expert id this rank owns (``ep_rank * E_local``).
         num_local_experts: E_local; default ``num_experts - first_expert``.
         align: pad every expert's segment up to a multiple of this (1 = no padding).
+        check_ids: True: the first pass records the smallest and largest id on the device and
+            the launcher reads them after the launches (one host sync), raising the oracle's
+            ValueError for an id outside ``[0, num_experts]``. False: nothing is read (no
+            sync: CUDA graphs, benchmarks); an out-of-range id is then skipped as not owned,
+            as the oracle does with ``check_ids=False``.
 
     Returns:
         :class:`Permutation`: ``source_rows [P]``, ``expert_counts [E_local]``,
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, int32 on ``topk_ids``' device,
-        ``P = T*k + E_local*(align - 1)``.
-
-    The id range check reads ``topk_ids`` (one host sync on a GPU), as the oracle's does.
+        ``P = T*k + E_local*(align - 1)``. The four are views of one allocation.
     """
     num_local = _check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
-                                      align)
+                                      align, check_ids=False)
     check_tensor("topk_ids", topk_ids, contiguous=True)
-    return _launch_permute(topk_ids, first_expert, num_local, align)
+    return _launch_permute(topk_ids, num_experts, first_expert, num_local, align, check_ids)
 
 
 # =============================================================================================

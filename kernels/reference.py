@@ -240,19 +240,22 @@ def _permutation_capacity(num_pairs: int, num_local_experts: int, align: int) ->
 
 
 def _check_permute_inputs(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
-                          num_local_experts: Optional[int], align: int) -> int:
-    """All checks of ``permute_by_expert`` (the id range one reads the tensor: a host sync on a
-    GPU). Returns ``E_local``."""
+                          num_local_experts: Optional[int], align: int, *,
+                          check_ids: bool = True) -> int:
+    """All checks of ``permute_by_expert`` (the id range one, with ``check_ids``, reads the
+    tensor: a host sync on a GPU). Returns ``E_local``."""
     check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
     local = _local_expert_count(num_experts, first_expert, num_local_experts, align)
     check_top_k(topk_ids.shape[1], num_experts)
-    check_expert_ids("topk_ids", topk_ids, num_experts, allow_padding=True)
+    if check_ids:
+        check_expert_ids("topk_ids", topk_ids, num_experts, allow_padding=True)
     _permutation_capacity(topk_ids.numel(), local, align)
     return local
 
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
-                      num_local_experts: Optional[int] = None, align: int = 1) -> Permutation:
+                      num_local_experts: Optional[int] = None, align: int = 1,
+                      check_ids: bool = True) -> Permutation:
     """Expert-major order of the locally owned (token, slot) pairs (see :class:`Permutation`).
 
     Arguments:
@@ -270,11 +273,13 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]`` (int32, on ``topk_ids``' device),
         ``P = T*k + E_local*(align - 1)``.
 
-    Raises ValueError for an id < 0 or > ``num_experts`` (naming it), a local range past
-    ``num_experts``, ``align < 1`` or ``k > num_experts``; TypeError for non-int32 ids.
+    Raises ValueError for an id < 0 or > ``num_experts`` (naming it; only with ``check_ids``,
+    the default: with ``check_ids=False`` nothing is read and such an id is skipped as not
+    owned, like any id outside the local range), a local range past ``num_experts``,
+    ``align < 1`` or ``k > num_experts``; TypeError for non-int32 ids.
     """
     num_local = _check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
-                                      align)
+                                      align, check_ids=check_ids)
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     capacity = _permutation_capacity(num_pairs, num_local, align)

@@ -101,6 +101,42 @@ def test_permute_names_a_bad_id(device, bad):
         triton_permute.permute_by_expert(topk_ids, 8)
 
 
+@pytest.mark.parametrize("bad", [-5, 9])
+@pytest.mark.parametrize("num_tokens", [3, 300])
+def test_permute_device_check_names_the_extreme_id(device, bad, num_tokens):
+    """The id range is checked on the device (per-block min / max, reduced in pass 2) and
+    read once: the error names the same id as the oracle's (the smallest if negative, else
+    the largest), also when the bad id sits in a later block and several are bad."""
+    topk_ids = random_ids(num_tokens, 4, 8, device)
+    topk_ids[-1, 2] = bad
+    topk_ids[num_tokens // 2, 0] = bad + (-1 if bad < 0 else 1)  # the extreme one
+    extreme = bad + (-1 if bad < 0 else 1)
+    for run in (reference.permute_by_expert, triton_permute.permute_by_expert,
+                a2a.permute.permute_by_expert):
+        with pytest.raises(ValueError, match=f"expert id {extreme} outside \\[0, 8\\]"):
+            run(topk_ids, 8, check_ids=True)
+
+
+@pytest.mark.parametrize("bad", [-1, 61, 2**31 - 1])
+def test_permute_unchecked_skips_bad_ids(device, bad):
+    """check_ids=False reads nothing and skips out-of-range ids as not owned: the result equals
+    the oracle's (also unchecked) and that of the same ids with the bad ones set to padding."""
+    topk_ids = random_ids(300, 8, 60, device)
+    topk_ids[::7, 3] = bad
+    padded = topk_ids.clone()
+    padded[::7, 3] = 60
+    for first_expert, num_local, align in [(0, None, 1), (16, 20, 8)]:
+        kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
+        got = triton_permute.permute_by_expert(topk_ids, 60, check_ids=False, **kwargs)
+        assert_permutation_equal(got, reference.permute_by_expert(topk_ids, 60, check_ids=False,
+                                                                  **kwargs))
+        assert_permutation_equal(got, reference.permute_by_expert(padded, 60, **kwargs))
+        assert (got.inverse.view(-1, 8)[::7, 3] == UNUSED).all()
+        stage = a2a.permute.permute_by_expert(topk_ids, 60, check_ids=False,
+                                                backend="triton", **kwargs)
+        assert_permutation_equal(stage, got)
+
+
 def test_permute_refuses_bad_inputs(device):
     with pytest.raises(ValueError, match="topk_ids must be contiguous"):
         triton_permute.permute_by_expert(
@@ -258,15 +294,17 @@ def compile_one(fn, signature, constants, divisible, **options):
 
 i32 = "i32"
 compile_one(K._count_block_experts_kernel,
-    dict(topk_ids_ptr="*i32", block_counts_ptr="*i32", source_rows_ptr="*i32", num_pairs=i32,
+    dict(topk_ids_ptr="*i32", block_counts_ptr="*i32", block_id_range_ptr="*i32",
+         source_rows_ptr="*i32", num_pairs=i32,
          num_blocks=i32, capacity=i32, first_expert=i32, num_local_experts=i32,
          BLOCK_PAIRS="constexpr", EXPERT_BINS="constexpr"),
-    dict(BLOCK_PAIRS=K.BLOCK_PAIRS, EXPERT_BINS=512), [0, 1, 2], num_warps=4)
+    dict(BLOCK_PAIRS=K.BLOCK_PAIRS, EXPERT_BINS=512), [0, 1, 2, 3], num_warps=4)
 compile_one(K._scan_blocks_kernel,
     dict(block_counts_ptr="*i32", block_starts_ptr="*i32", expert_counts_ptr="*i32",
-         num_blocks=i32, num_local_experts=i32, SCAN_BLOCKS="constexpr",
+         block_id_range_ptr="*i32", id_range_ptr="*i32", num_blocks=i32, num_local_experts=i32, SCAN_BLOCKS="constexpr",
          EXPERT_CHUNK="constexpr"),
-    dict(SCAN_BLOCKS=K.SCAN_BLOCKS, EXPERT_CHUNK=K.EXPERT_CHUNK), [0, 1, 2], num_warps=4)
+    dict(SCAN_BLOCKS=K.SCAN_BLOCKS, EXPERT_CHUNK=K.EXPERT_CHUNK), [0, 1, 2, 3, 4],
+    num_warps=4)
 compile_one(K._place_pairs_kernel,
     dict(topk_ids_ptr="*i32", block_starts_ptr="*i32", expert_counts_ptr="*i32",
          expert_offsets_ptr="*i32", source_rows_ptr="*i32", inverse_ptr="*i32", num_pairs=i32,
