@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.prepare import launch_local_plan, raise_on_bad_ids
+from kernels.prepare import carve, launch_local_plan, raise_on_bad_ids
 from kernels.reference import check_prepare_inputs
 from kernels.types import UNUSED, AlltoallPlan
 from kernels.validate import check_tensor
@@ -274,6 +274,7 @@ class ExchangeConfig(NamedTuple):
     k_pad: int
     r_pad: int
     s_pad: int
+    pieces: tuple     # one int32 buffer for the receive side (kernels.prepare.carve)
 
 
 @functools.lru_cache(maxsize=64)
@@ -282,13 +283,17 @@ def exchange_config(ep_size: int, max_tokens: int, top_k: int, slots: int,
     """The exchange's launch constants for R, N, k, S, max_programs (cached: pure function)."""
     chunks = exchange_chunks(ep_size, max_tokens, max_programs)
     region, hist_off, ids_off, weights_off = _region_ints(max_tokens, top_k, slots)
+    rows = max_tokens * ep_size
+    # recv_cumsum, recv_local, recv_ids, recv_weights (fp32 bits), expert_counts, and an int64
+    # status [R] that nobody reads (used when check=False and no status is given)
+    pieces, _ = carve((ep_size, rows, rows * top_k, rows * top_k, ep_size * slots, 2 * ep_size))
     return ExchangeConfig(
         words=prepare_workspace_words(ep_size, max_tokens, top_k, slots, slots), chunks=chunks,
         chunk_rows=triton.cdiv(max(max_tokens, 1), chunks),
         tail_rows=triton.cdiv(max_tokens * ep_size, ep_size * chunks), region=region,
         hist_off=hist_off, ids_off=ids_off, weights_off=weights_off,
         k_pad=triton.next_power_of_2(top_k), r_pad=triton.next_power_of_2(ep_size),
-        s_pad=triton.next_power_of_2(slots))
+        s_pad=triton.next_power_of_2(slots), pieces=pieces)
 
 
 def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace: torch.Tensor,
@@ -320,7 +325,7 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
                          anything is sent. False: such ids are sent nowhere (as padding).
     status:              [R] int64, zeroed once; entry s becomes call_index + 1 when a wait for
                          source s timed out in this call. Default: a fresh zeroed tensor when
-                         ``check``, else an uninitialised one that nobody reads.
+                         ``check``, else uninitialised words of the output buffer, never read.
     Returns this rank's :class:`AlltoallPlan`, equal to ``simulate_alltoall(...)[ep_rank]``.
     The first call of a configuration compiles: see :func:`warmup`.
     """
@@ -346,8 +351,7 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
     if not isinstance(call_index, int) or call_index < 0:
         raise ValueError(f"call_index={call_index!r} must be an int >= 0 (+1 per call)")
     if status is None:
-        status = (torch.zeros if check else torch.empty)(ep_size, dtype=torch.int64,
-                                                          device=device)
+        status = torch.zeros(ep_size, dtype=torch.int64, device=device) if check else None
     else:
         check_tensor("status", status, dtype=torch.int64, ndim=1, device=device)
         if status.numel() != ep_size:
@@ -358,12 +362,14 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
     if check_ids:  # before the exchange: a bad id raises before anything is sent
         raise_on_bad_ids(topk_ids, scratch, ep_size, max_tokens, slots)
     rows = max_tokens * ep_size
-    recv_cumsum = torch.empty(ep_size, dtype=torch.int32, device=device)
-    recv_local = torch.empty(rows, dtype=torch.int32, device=device)
-    recv_ids = torch.empty((rows, top_k), dtype=torch.int32, device=device)
-    recv_weights = torch.empty((rows, top_k), dtype=torch.float32, device=device)
-    expert_counts = (torch.empty((ep_size, slots), dtype=torch.int32, device=device)
-                     if with_expert_counts else None)
+    buffer = torch.empty(sum(cfg.pieces), dtype=torch.int32, device=device)
+    recv_cumsum, _, recv_local, _, recv_ids, _, recv_weights, _, expert_counts, _, unread, _ \
+        = buffer.split(cfg.pieces)
+    recv_ids = recv_ids.view(rows, top_k)
+    recv_weights = recv_weights.view(torch.float32).view(rows, top_k)
+    expert_counts = expert_counts.view(ep_size, slots) if with_expert_counts else None
+    if status is None:
+        status = unread.view(torch.int64)  # atomic_max on garbage: harmless, never read
     _exchange_kernel[(ep_size, cfg.chunks)](
         workspace, workspace.stride(0), topk_ids, topk_weights, plan.send_rank_count_cumsum,
         plan.send_rank_local_indices, plan.expert_counts, recv_cumsum, recv_local, recv_ids,
