@@ -11,10 +11,10 @@ every rank's call is launched on its own stream with ``check=False`` (a host syn
 rank's call would wait for ranks not yet launched) and ``check_ids=False``; then all streams are
 synchronized and each plan is compared field by field with ``simulate_alltoall``. Each test
 first calls ``triton_prepare.warmup`` for its configuration: compiling (loading a CUDA module)
-waits for the device to be idle, which never happens while another rank's exchange spins. The exchange
-kernels of all R ranks must be resident at once or they deadlock: with ``max_programs`` = P
-each rank launches R * C <= P programs of 4 warps, so R * P programs in all (at most 8 * 16 =
-128 here), far below what 132 SMs hold.
+waits for the device to be idle, which never happens while another rank's exchange spins.
+The exchange kernels of all R ranks must be resident at once or they deadlock: with
+``max_programs`` = P each rank launches R * C <= P programs of 4 warps, so R * P programs in all
+(at most 8 * 16 = 128 here), far below what 132 SMs hold.
 """
 
 import os
