@@ -42,6 +42,19 @@ counts as 0 (no out-of-range writes) and records ``status[s] = max(status[s], c 
 launcher raises naming the ranks when ``check=True``. After a timeout the workspace is stale:
 zero it and restart call_index at 0 on every rank.
 
+Compilation, warm-up and host syncs: the first call of each configuration (N, R, k, S,
+max_programs, with_expert_counts) compiles the kernels, and loading a CUDA module waits until
+the device is idle. On one GPU per rank that only delays the call; with R simulated ranks on
+one GPU it deadlocks when it happens while another rank's exchange kernel spins (until the
+timeout). Nothing compiled depends on T or on the rank (T, the ranks and the row stride are
+not specialised; every constexpr comes from the configuration), so only the first call of a
+configuration compiles: call :func:`warmup` once per configuration (it runs every variant
+alone, on a private workspace, and synchronizes) before ranks that share a GPU call
+concurrently. With ``check=False`` and ``check_ids=False`` the call has no host sync at all
+(the fast path, CUDA-graph capturable): only caching-allocator allocations and three launches.
+``check_ids=True`` reads the local plan's device-side id check before the exchange (one sync;
+a bad id raises before anything is sent), ``check=True`` reads the status after it (one sync).
+
 Co-residency: receivers spin, so every program of the exchange kernel must be resident at once
 (on one GPU per rank: R * C <= max_programs, 128 by default, fits H200's 132 SMs; with R
 simulated ranks on one GPU, all R * R * C programs must fit, which the tests ensure with a small
@@ -50,19 +63,20 @@ simulated ranks on one GPU, all R * R * C programs must fit, which the tests ens
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.prepare import local_send_plan
+from kernels.prepare import carve, launch_local_plan, raise_on_bad_ids
 from kernels.reference import check_prepare_inputs
 from kernels.types import UNUSED, AlltoallPlan
+from kernels.validate import check_tensor
 
 # The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
 UNUSED_ID = tl.constexpr(UNUSED)
-from kernels.validate import check_tensor
 
 # Chunks per (source, destination) pair: a fixed upper bound so that the workspace layout does
 # not depend on the launch (flags are [R, MAX_CHUNKS] per row).
@@ -97,10 +111,12 @@ def _wait_for_flags(flag_ptrs, mask, expected, timeout_spins):
     return ok
 
 
-# Values that change from call to call (or are often 1, which Triton would otherwise turn into a
-# constant) are not specialized: one compiled kernel serves every call.
-@triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_tokens", "num_rows", "chunk_rows",
-                               "tail_rows", "flag_value", "parity", "timeout_spins"])
+# Values that change from call to call or from rank to rank (or are often 1, which Triton would
+# otherwise turn into a constant), and the workspace row stride (so that warmup's private
+# workspace picks the same variant), are not specialized: one compiled kernel per configuration.
+@triton.jit(do_not_specialize=["ws_row_stride", "ep_rank", "ep_size", "max_tokens", "num_rows",
+                               "chunk_rows", "tail_rows", "flag_value", "parity",
+                               "timeout_spins"])
 def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send_cumsum_ptr,
                      send_indices_ptr, local_hist_ptr, recv_cumsum_ptr, recv_local_ptr,
                      recv_ids_ptr, recv_weights_ptr, expert_counts_ptr, status_ptr,
@@ -189,7 +205,7 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
         ids = tl.load(region + ids_off + source, mask=tile_ok, other=0, cache_modifier=".cg")
         bits = tl.load(region + weights_off + source, mask=tile_ok, other=0,
                        cache_modifier=".cg")
-        owned = (ids // slots_per_rank) == ep_rank
+        owned = (ids >= 0) & ((ids // slots_per_rank) == ep_rank)  # C division: -1 // n = 0
         out_rows = my_start + rows
         target = out_rows[:, None] * TOP_K + cols[None, :]
         tl.store(recv_ids_ptr + target, tl.where(owned, ids, num_slots), mask=tile_ok)
@@ -244,6 +260,42 @@ def exchange_chunks(ep_size: int, max_tokens_per_rank: int,
     return max(1, min(MAX_CHUNKS, max_programs // ep_size, by_rows))
 
 
+class ExchangeConfig(NamedTuple):
+    """Launch constants of one configuration; see :func:`exchange_config`."""
+
+    words: int        # prepare_workspace_words
+    chunks: int       # C
+    chunk_rows: int   # send-order rows per chunk
+    tail_rows: int    # padding rows per program
+    region: int       # _region_ints
+    hist_off: int
+    ids_off: int
+    weights_off: int
+    k_pad: int
+    r_pad: int
+    s_pad: int
+    pieces: tuple     # one int32 buffer for the receive side (kernels.prepare.carve)
+
+
+@functools.lru_cache(maxsize=64)
+def exchange_config(ep_size: int, max_tokens: int, top_k: int, slots: int,
+                    max_programs: int) -> ExchangeConfig:
+    """The exchange's launch constants for R, N, k, S, max_programs (cached: pure function)."""
+    chunks = exchange_chunks(ep_size, max_tokens, max_programs)
+    region, hist_off, ids_off, weights_off = _region_ints(max_tokens, top_k, slots)
+    rows = max_tokens * ep_size
+    # recv_cumsum, recv_local, recv_ids, recv_weights (fp32 bits), expert_counts, and an int64
+    # status [R] that nobody reads (used when check=False and no status is given)
+    pieces, _ = carve((ep_size, rows, rows * top_k, rows * top_k, ep_size * slots, 2 * ep_size))
+    return ExchangeConfig(
+        words=prepare_workspace_words(ep_size, max_tokens, top_k, slots, slots), chunks=chunks,
+        chunk_rows=triton.cdiv(max(max_tokens, 1), chunks),
+        tail_rows=triton.cdiv(max_tokens * ep_size, ep_size * chunks), region=region,
+        hist_off=hist_off, ids_off=ids_off, weights_off=weights_off,
+        k_pad=triton.next_power_of_2(top_k), r_pad=triton.next_power_of_2(ep_size),
+        s_pad=triton.next_power_of_2(slots), pieces=pieces)
+
+
 def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace: torch.Tensor,
                    *, ep_rank: int, ep_size: int, num_experts: int, max_tokens_per_rank: int,
                    slot_count: Optional[int] = None, call_index: int,
@@ -251,8 +303,9 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
                    max_programs: int = EXCHANGE_PROGRAMS, check: bool = True,
                    check_ids: bool = True,
                    status: Optional[torch.Tensor] = None) -> AlltoallPlan:
-    """One rank's full prepare over a peer-mapped workspace (three launches, no host sync when
-    ``check=False`` and ``check_ids=False``).
+    """One rank's full prepare over a peer-mapped workspace: three launches (the local plan's
+    two and the exchange), no host sync when ``check=False`` and ``check_ids=False`` (the fast
+    path, CUDA-graph capturable).
 
     topk_ids:            [T, k] int32 contiguous, slot ids in ``[0, S]`` (S = padding).
     topk_weights:        [T, k] float32 contiguous, routing weights.
@@ -264,17 +317,22 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
     with_expert_counts:  exchange every rank's expert_counts (the plan's [R, S]); else None.
     timeout_spins:       bound of each wait (see the module docstring).
     max_programs:        bound of the exchange grid R * C; the same on every rank.
-    check:               after the launch, read the status (a host sync) and raise naming the
-                         source ranks that did not arrive. Pass False under CUDA-graph capture
-                         and pass your own ``status`` to check later.
-    check_ids:           range-check topk_ids first (a host sync).
+    check:               after the launch, read the status (a host sync) and raise
+                         :class:`PrepareTimeout` naming the source ranks that did not arrive.
+                         False (fast path, CUDA graphs): pass your own ``status`` to check later.
+    check_ids:           read the local plan's device-side id range check before the exchange
+                         (a host sync) and raise ValueError on an id outside ``[0, S]`` before
+                         anything is sent. False: such ids are sent nowhere (as padding).
     status:              [R] int64, zeroed once; entry s becomes call_index + 1 when a wait for
-                         source s timed out in this call. Default: a fresh zeroed tensor.
+                         source s timed out in this call. Default: a fresh zeroed tensor when
+                         ``check``, else uninitialised words of the output buffer, never read.
     Returns this rank's :class:`AlltoallPlan`, equal to ``simulate_alltoall(...)[ep_rank]``.
+    The first call of a configuration compiles: see :func:`warmup`.
     """
     num_tokens, top_k, max_tokens, slots = check_prepare_inputs(
         topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
     device = topk_ids.device
+    check_tensor("topk_ids", topk_ids, contiguous=True)
     check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=device,
                  contiguous=True)
     if topk_weights.shape != topk_ids.shape:
@@ -282,45 +340,45 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
                          f"{tuple(topk_ids.shape)}")
     check_tensor("workspace", workspace, dtype=(torch.int64, torch.uint64), ndim=2,
                  device=device)
-    words = prepare_workspace_words(ep_size, max_tokens, top_k, num_experts, slots)
-    if workspace.shape[0] != ep_size or workspace.shape[1] < words or workspace.stride(1) != 1:
-        raise ValueError(f"workspace must be [ep_size={ep_size}, >= {words}] with unit column "
-                         f"stride (prepare_workspace_words); got shape {tuple(workspace.shape)} "
-                         f"strides {workspace.stride()}")
+    cfg = exchange_config(ep_size, max_tokens, top_k, slots, max_programs)
+    if workspace.shape[0] != ep_size or workspace.shape[1] < cfg.words \
+            or workspace.stride(1) != 1:
+        raise ValueError(f"workspace must be [ep_size={ep_size}, >= {cfg.words}] with unit "
+                         f"column stride (prepare_workspace_words); got shape "
+                         f"{tuple(workspace.shape)} strides {workspace.stride()}")
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank={ep_rank} must be in [0, ep_size={ep_size})")
     if not isinstance(call_index, int) or call_index < 0:
         raise ValueError(f"call_index={call_index!r} must be an int >= 0 (+1 per call)")
-    plan = local_send_plan(topk_ids, num_experts, ep_size, max_tokens_per_rank=max_tokens,
-                           slot_count=slots, check_ids=check_ids)
-
-    rows = max_tokens * ep_size
-    recv_cumsum = torch.empty(ep_size, dtype=torch.int32, device=device)
-    recv_local = torch.empty(rows, dtype=torch.int32, device=device)
-    recv_ids = torch.empty((rows, top_k), dtype=torch.int32, device=device)
-    recv_weights = torch.empty((rows, top_k), dtype=torch.float32, device=device)
-    expert_counts = (torch.empty((ep_size, slots), dtype=torch.int32, device=device)
-                     if with_expert_counts else None)
     if status is None:
-        status = torch.zeros(ep_size, dtype=torch.int64, device=device)
-    check_tensor("status", status, dtype=torch.int64, ndim=1, device=device)
-    if status.numel() != ep_size:
-        raise ValueError(f"status must have ep_size={ep_size} entries, got {status.numel()}")
+        status = torch.zeros(ep_size, dtype=torch.int64, device=device) if check else None
+    else:
+        check_tensor("status", status, dtype=torch.int64, ndim=1, device=device)
+        if status.numel() != ep_size:
+            raise ValueError(f"status must have ep_size={ep_size} entries, got "
+                             f"{status.numel()}")
 
-    chunks = exchange_chunks(ep_size, max_tokens, max_programs)
-    region, hist_off, ids_off, weights_off = _region_ints(max_tokens, top_k, slots)
-    _exchange_kernel[(ep_size, chunks)](
+    plan, scratch = launch_local_plan(topk_ids, ep_size, max_tokens, slots)
+    if check_ids:  # before the exchange: a bad id raises before anything is sent
+        raise_on_bad_ids(topk_ids, scratch, ep_size, max_tokens, slots)
+    rows = max_tokens * ep_size
+    buffer = torch.empty(sum(cfg.pieces), dtype=torch.int32, device=device)
+    recv_cumsum, _, recv_local, _, recv_ids, _, recv_weights, _, expert_counts, _, unread, _ \
+        = buffer.split(cfg.pieces)
+    recv_ids = recv_ids.view(rows, top_k)
+    recv_weights = recv_weights.view(torch.float32).view(rows, top_k)
+    expert_counts = expert_counts.view(ep_size, slots) if with_expert_counts else None
+    if status is None:
+        status = unread.view(torch.int64)  # atomic_max on garbage: harmless, never read
+    _exchange_kernel[(ep_size, cfg.chunks)](
         workspace, workspace.stride(0), topk_ids, topk_weights, plan.send_rank_count_cumsum,
         plan.send_rank_local_indices, plan.expert_counts, recv_cumsum, recv_local, recv_ids,
         recv_weights, expert_counts if with_expert_counts else recv_cumsum, status,
-        ep_rank, ep_size, slots, slots // ep_size, max_tokens, rows,
-        triton.cdiv(max(max_tokens, 1), chunks), triton.cdiv(rows, ep_size * chunks),
-        call_index + 1, call_index % 2, timeout_spins,
-        2 * ep_size * MAX_CHUNKS, region, hist_off, ids_off, weights_off,
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        R_PAD=triton.next_power_of_2(ep_size), S_PAD=triton.next_power_of_2(slots),
-        MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=BLOCK_ROWS, WITH_COUNTS=with_expert_counts,
-        num_warps=NUM_WARPS)
+        ep_rank, ep_size, slots, slots // ep_size, max_tokens, rows, cfg.chunk_rows,
+        cfg.tail_rows, call_index + 1, call_index % 2, timeout_spins,
+        2 * ep_size * MAX_CHUNKS, cfg.region, cfg.hist_off, cfg.ids_off, cfg.weights_off,
+        TOP_K=top_k, K_PAD=cfg.k_pad, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad, MAX_CHUNKS=MAX_CHUNKS,
+        BLOCK_ROWS=BLOCK_ROWS, WITH_COUNTS=with_expert_counts, num_warps=NUM_WARPS)
     if check:
         raise_on_timeout(status, call_index, ep_rank)
     return AlltoallPlan(
@@ -331,6 +389,34 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
         recv_expert_ids=recv_ids, recv_weights=recv_weights, expert_counts=expert_counts,
         ep_rank=ep_rank, ep_size=ep_size, max_tokens_per_rank=max_tokens,
         num_tokens=num_tokens, top_k=top_k, slot_count=slots)
+
+
+def warmup(device, *, ep_size: int, num_experts: int, max_tokens_per_rank: int, top_k: int,
+           slot_count: Optional[int] = None, max_programs: int = EXCHANGE_PROGRAMS,
+           with_expert_counts=(True, False)) -> None:
+    """Compile and load every kernel :func:`triton_prepare` launches for one configuration,
+    without communicating, then synchronize ``device``.
+
+    Runs one call per ``with_expert_counts`` value on a private zeroed workspace with
+    ``timeout_spins=0`` (the waits give up at once; the result is discarded). Afterwards no
+    call of this configuration compiles or loads a module, whatever its T and rank, as long as
+    its tensors are 16-byte aligned like fresh allocations. Needed before R simulated ranks on
+    one GPU call concurrently (see the module docstring); harmless elsewhere.
+    """
+    slots = num_experts if slot_count is None else slot_count
+    device = torch.device(device)
+    ids = torch.full((max_tokens_per_rank, top_k), slots, dtype=torch.int32, device=device)
+    weights = torch.zeros((max_tokens_per_rank, top_k), dtype=torch.float32, device=device)
+    cfg = exchange_config(ep_size, max_tokens_per_rank, top_k, slots, max_programs)
+    workspace = torch.zeros((ep_size, cfg.words), dtype=torch.int64, device=device)
+    for counts in with_expert_counts:
+        triton_prepare(ids, weights, workspace, ep_rank=0, ep_size=ep_size,
+                       num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
+                       slot_count=slots, call_index=0, with_expert_counts=counts,
+                       timeout_spins=0, max_programs=max_programs, check=False,
+                       check_ids=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class PrepareTimeout(RuntimeError):

@@ -4,11 +4,13 @@ Same signature and result as ``kernels.reference.local_send_plan``; deterministi
 token order inside every rank's segment, no dependence on the order of atomics). Two launches
 over blocks of ``BLOCK_T`` tokens:
 
-1. ``_count_kernel``: per block, the number of its tokens sent to each rank and the histogram of
-   its slot ids.
+1. ``_count_kernel``: per block, the number of its tokens sent to each rank, the histogram of
+   its slot ids, and the flat position of its first id outside ``[0, S]`` (the device-side
+   range check).
 2. ``_index_kernel``: every block reads all blocks' counts, takes the exclusive prefix over the
    blocks before it and over the ranks before each rank, and writes its tokens' send and
-   backward indices there; it also sums a slice of the histograms and fills the UNUSED tail.
+   backward indices there; it also sums a slice of the histograms, fills the UNUSED tail, and
+   program 0 reduces the range check to one int32 (``NO_BAD_POSITION`` when all ids are good).
 
 Worked example (R = 2, S = 4 so rank 0 owns ids {0, 1}, k = 2, BLOCK_T = 2, T = 4):
 ``topk_ids = [[0, 2], [1, 0], [3, 2], [2, 1]]``
@@ -17,9 +19,24 @@ Worked example (R = 2, S = 4 so rank 0 owns ids {0, 1}, k = 2, BLOCK_T = 2, T = 
 - pass 2, per-rank totals ``[3, 3]``, rank starts ``[0, 3]``; block 1 starts rank 0 after
   block 0's 2 tokens (position 2) and rank 1 after its 1 (position 3 + 1 = 4):
   ``send_rank_local_indices = [0, 1, 3, 0, 2, 3]`` and backward ``[0, 2, 7, 1, 4, 6]``.
+
+Fast path and compilation
+-------------------------
+``check_ids=False`` is the fast path: no host sync at all (CUDA-graph capturable), ids outside
+``[0, S]`` are treated as padding (sent nowhere, not counted). ``check_ids=True`` reads the
+device-side range check after the launch (one host sync) and raises naming the bad id.
+
+Every constexpr and every specialised integer argument is derived from the configuration
+``(N = max_tokens_per_rank, R, k, S)`` only, never from T (T and the block count are
+``do_not_specialize``): one compiled variant per configuration serves every T, so a call never
+compiles or loads a CUDA module in the middle of a run of calls with changing T. The first call
+of a configuration compiles (and loading a module waits for the device to be idle).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,9 +44,13 @@ import triton.language as tl
 
 from kernels.reference import check_prepare_inputs
 from kernels.types import UNUSED, LocalSendPlan
+from kernels.validate import check_expert_ids
 
 # The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
 UNUSED_ID = tl.constexpr(UNUSED)
+# The range check's "no bad id": larger than any flat position token * k + j in int32.
+NO_BAD_POSITION = 2**31 - 1
+NO_BAD_ID = tl.constexpr(NO_BAD_POSITION)
 
 
 @triton.jit
@@ -37,55 +58,63 @@ def _first_slot_on_rank(topk_ids_ptr, tokens, token_mask, ranks, ep_size, slots_
                         num_slots, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                         R_PAD: tl.constexpr):
     """[BLOCK_T, R_PAD] int32: the first slot j of each token whose id lives on each rank;
-    TOP_K where none does (padding ids, masked tokens and ranks >= ep_size never match)."""
+    TOP_K where none does (padding and out-of-range ids, masked tokens and ranks >= ep_size
+    never match)."""
     first = tl.full((BLOCK_T, R_PAD), TOP_K, tl.int32)
     rank_ok = ranks < ep_size
     for j in tl.static_range(TOP_K):
         ids = tl.load(topk_ids_ptr + tokens * TOP_K + j, mask=token_mask, other=num_slots)
-        owner = ids // slots_per_rank  # == ep_size for the padding id S
+        # == ep_size for the padding id S; ids < 0 (C division truncates -1 // n to 0) go nowhere
+        owner = tl.where(ids >= 0, ids // slots_per_rank, ep_size)
         match = (owner[:, None] == ranks[None, :]) & rank_ok[None, :] & (first == TOP_K)
         first = tl.where(match, j, first)
     return first
 
 
-@triton.jit
-def _count_kernel(topk_ids_ptr, block_counts_ptr, block_hist_ptr, num_tokens, ep_size,
-                  slots_per_rank, num_slots, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+@triton.jit(do_not_specialize=["num_tokens"])
+def _count_kernel(topk_ids_ptr, scratch_ptr, num_tokens, ep_size, slots_per_rank, num_slots,
+                  hist_offset, bad_offset, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                   R_PAD: tl.constexpr, S_PAD: tl.constexpr, FLAT: tl.constexpr):
-    # After this pass: block_counts[b, r] = tokens of block b sent to rank r;
-    # block_hist[b, s] = (token, slot) pairs of block b routed to slot id s.
+    # After this pass (scratch, int32): [0, blocks * R) block_counts[b, r] = tokens of block b
+    # sent to rank r; hist_offset + [blocks, S) block_hist[b, s] = (token, slot) pairs of block b
+    # routed to slot id s; bad_offset + b = flat position of block b's first id outside [0, S].
     block = tl.program_id(0)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     ranks = tl.arange(0, R_PAD)
     first = _first_slot_on_rank(topk_ids_ptr, tokens, tokens < num_tokens, ranks, ep_size,
                                 slots_per_rank, num_slots, TOP_K, BLOCK_T, R_PAD)
     counts = tl.sum((first < TOP_K).to(tl.int32), axis=0)
-    tl.store(block_counts_ptr + block * ep_size + ranks, counts, mask=ranks < ep_size)
+    tl.store(scratch_ptr + block * ep_size + ranks, counts, mask=ranks < ep_size)
 
     pairs = tl.arange(0, FLAT)
-    pair_ok = (pairs < BLOCK_T * TOP_K) & (block * BLOCK_T * TOP_K + pairs < num_tokens * TOP_K)
-    ids = tl.load(topk_ids_ptr + block * BLOCK_T * TOP_K + pairs, mask=pair_ok, other=0)
-    counted = pair_ok & (ids < num_slots)  # the padding id S is not counted
+    positions = block * (BLOCK_T * TOP_K) + pairs
+    pair_ok = (pairs < BLOCK_T * TOP_K) & (positions < num_tokens * TOP_K)
+    ids = tl.load(topk_ids_ptr + positions, mask=pair_ok, other=0)
+    in_range = (ids >= 0) & (ids <= num_slots)
+    counted = pair_ok & in_range & (ids < num_slots)  # the padding id S is not counted
     hist = tl.histogram(tl.where(counted, ids, 0), S_PAD, mask=counted)
     bins = tl.arange(0, S_PAD)
-    tl.store(block_hist_ptr + block * num_slots + bins, hist, mask=bins < num_slots)
+    tl.store(scratch_ptr + hist_offset + block * num_slots + bins, hist, mask=bins < num_slots)
+    first_bad = tl.min(tl.where(pair_ok & (in_range == 0), positions, NO_BAD_ID), axis=0)
+    tl.store(scratch_ptr + bad_offset + block, first_bad)
 
 
-@triton.jit
-def _index_kernel(topk_ids_ptr, block_counts_ptr, block_hist_ptr, send_counts_ptr,
-                  send_cumsum_ptr, send_indices_ptr, backward_ptr, expert_counts_ptr,
-                  num_tokens, num_blocks, ep_size, slots_per_rank, num_slots, index_len,
-                  TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, R_PAD: tl.constexpr,
-                  NB_PAD: tl.constexpr, BINS: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-                  TAIL_CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+def _index_kernel(topk_ids_ptr, scratch_ptr, send_counts_ptr, send_cumsum_ptr,
+                  send_indices_ptr, backward_ptr, expert_counts_ptr, num_tokens, num_blocks,
+                  ep_size, slots_per_rank, num_slots, index_len, hist_offset, bad_offset,
+                  error_offset, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                  R_PAD: tl.constexpr, NB_PAD: tl.constexpr, BINS: tl.constexpr,
+                  TAIL_BLOCK: tl.constexpr, TAIL_CHUNK: tl.constexpr):
     # After this pass: the LocalSendPlan (send counts and cumsum, send and backward indices
-    # with their UNUSED tail, expert_counts).
+    # with their UNUSED tail, expert_counts) and scratch[error_offset] = first bad position.
     block = tl.program_id(0)
     blocks = tl.arange(0, NB_PAD)
+    block_ok = blocks < num_blocks
     ranks = tl.arange(0, R_PAD)
     rank_ok = ranks < ep_size
-    counts = tl.load(block_counts_ptr + blocks[:, None] * ep_size + ranks[None, :],
-                     mask=(blocks[:, None] < num_blocks) & rank_ok[None, :], other=0)
+    counts = tl.load(scratch_ptr + blocks[:, None] * ep_size + ranks[None, :],
+                     mask=block_ok[:, None] & rank_ok[None, :], other=0)
     totals = tl.sum(counts, axis=0)                                              # [R_PAD]
     before = tl.sum(tl.where(blocks[:, None] < block, counts, 0), axis=0)        # [R_PAD]
     rank_end = tl.cumsum(totals, axis=0)
@@ -93,8 +122,10 @@ def _index_kernel(topk_ids_ptr, block_counts_ptr, block_hist_ptr, send_counts_pt
     if block == 0:
         tl.store(send_counts_ptr + ranks, totals, mask=rank_ok)
         tl.store(send_cumsum_ptr + ranks, rank_end, mask=rank_ok)
+        bad = tl.load(scratch_ptr + bad_offset + blocks, mask=block_ok, other=NO_BAD_ID)
+        tl.store(scratch_ptr + error_offset, tl.min(bad, axis=0))
 
-    if block < num_blocks:  # programs past num_blocks only fill the tail
+    if block < num_blocks:  # programs past num_blocks only fill the tail and the histogram
         tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
         first = _first_slot_on_rank(topk_ids_ptr, tokens, tokens < num_tokens, ranks, ep_size,
                                     slots_per_rank, num_slots, TOP_K, BLOCK_T, R_PAD)
@@ -115,10 +146,10 @@ def _index_kernel(topk_ids_ptr, block_counts_ptr, block_hist_ptr, send_counts_pt
         tl.store(backward_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
                  mask=tail_mask)
 
-    # This program's slice of the histogram sum over blocks.
+    # This program's slice of the histogram sum over blocks (the grid covers S in BINS steps).
     bins = block * BINS + tl.arange(0, BINS)
-    hist = tl.load(block_hist_ptr + blocks[:, None] * num_slots + bins[None, :],
-                   mask=(blocks[:, None] < num_blocks) & (bins[None, :] < num_slots), other=0)
+    hist = tl.load(scratch_ptr + hist_offset + blocks[:, None] * num_slots + bins[None, :],
+                   mask=block_ok[:, None] & (bins[None, :] < num_slots), other=0)
     tl.store(expert_counts_ptr + bins, tl.sum(hist, axis=0), mask=bins < num_slots)
 
 
@@ -137,10 +168,106 @@ NUM_WARPS = 4
 HIST_MIN_BINS = 32
 
 
-def block_tokens(num_tokens: int, ep_size: int) -> int:
-    """Tokens per program of the local-plan kernels (a power of two)."""
+def block_tokens(max_tokens: int, ep_size: int) -> int:
+    """Tokens per program of the local-plan kernels (a power of two), from N = max_tokens (not
+    from T: the compiled kernels must not depend on T)."""
     by_tile = TILE_ELEMENTS // triton.next_power_of_2(ep_size)
-    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, by_tile, triton.next_power_of_2(max(num_tokens, 1))))
+    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, by_tile, triton.next_power_of_2(max(max_tokens, 1))))
+
+
+class PlanConfig(NamedTuple):
+    """Launch constants of one configuration (N, R, k, S); see :func:`plan_config`."""
+
+    block_t: int          # BLOCK_T
+    index_programs: int   # grid of the index kernel (covers the blocks, the tail and S)
+    r_pad: int
+    s_pad: int            # histogram bins
+    flat: int             # BLOCK_T * k, padded
+    nb_pad: int           # max blocks (cdiv(N, BLOCK_T)), padded
+    bins: int             # expert_counts entries per index program
+    hist_offset: int      # scratch layout in int32 words (each part 16-byte aligned)
+    bad_offset: int
+    error_offset: int
+    pieces: tuple         # one int32 buffer split into the outputs and the scratch, see below
+
+
+def carve(sizes) -> tuple[tuple[int, ...], int]:
+    """Split sizes (int32 words) of one buffer holding the parts ``sizes`` one after the other,
+    each starting 16 bytes aligned: ``(part, pad, part, pad, ...)``, and their sum. One
+    allocation and one ``split`` cost less host time than an allocation per part."""
+    pieces = []
+    for size in sizes:
+        pieces += [size, -size % 4]
+    return tuple(pieces), sum(pieces)
+
+
+@functools.lru_cache(maxsize=64)
+def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanConfig:
+    """The launch constants of ``local_send_plan`` for N, R, k, S (cached: pure function)."""
+    def align(n):  # int32 words -> multiple of 4 (16 bytes)
+        return triton.cdiv(n, 4) * 4
+    block_t = block_tokens(max_tokens, ep_size)
+    max_blocks = max(1, triton.cdiv(max_tokens, block_t))
+    index_programs = max(max_blocks, triton.cdiv(max_tokens * ep_size, TAIL_CHUNK))
+    hist_offset = align(max_blocks * ep_size)
+    bad_offset = hist_offset + align(max_blocks * slots)
+    error_offset = bad_offset + align(max_blocks)
+    # send_counts, send_cumsum, send_indices, backward, expert_counts, scratch
+    pieces, _ = carve((ep_size, ep_size, max_tokens * ep_size, max_tokens * ep_size, slots,
+                       error_offset + 1))
+    return PlanConfig(
+        block_t=block_t, index_programs=index_programs, r_pad=triton.next_power_of_2(ep_size),
+        s_pad=max(HIST_MIN_BINS, triton.next_power_of_2(slots)),
+        flat=triton.next_power_of_2(block_t * top_k),
+        nb_pad=triton.next_power_of_2(max_blocks),
+        bins=triton.next_power_of_2(triton.cdiv(slots, index_programs)),
+        hist_offset=hist_offset, bad_offset=bad_offset, error_offset=error_offset,
+        pieces=pieces)
+
+
+def launch_local_plan(topk_ids: torch.Tensor, ep_size: int, max_tokens: int,
+                      slots: int) -> tuple[LocalSendPlan, torch.Tensor]:
+    """The two launches, on already validated inputs (no host sync).
+
+    Returns the plan and the int32 scratch whose word ``plan_config(...).error_offset`` holds
+    the flat position of the first id outside ``[0, S]`` (``NO_BAD_POSITION`` if none); read it
+    with :func:`raise_on_bad_ids`.
+    """
+    num_tokens, top_k = topk_ids.shape
+    cfg = plan_config(max_tokens, ep_size, top_k, slots)
+    device = topk_ids.device
+    num_blocks = max(1, triton.cdiv(num_tokens, cfg.block_t))
+    buffer = torch.empty(sum(cfg.pieces), dtype=torch.int32, device=device)
+    send_counts, _, send_cumsum, _, send_indices, _, backward, _, expert_counts, _, scratch, _ \
+        = buffer.split(cfg.pieces)
+    slots_per_rank = slots // ep_size
+    _count_kernel[(num_blocks,)](
+        topk_ids, scratch, num_tokens, ep_size, slots_per_rank, slots, cfg.hist_offset,
+        cfg.bad_offset, TOP_K=top_k, BLOCK_T=cfg.block_t, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad,
+        FLAT=cfg.flat, num_warps=NUM_WARPS)
+    _index_kernel[(cfg.index_programs,)](
+        topk_ids, scratch, send_counts, send_cumsum, send_indices, backward, expert_counts,
+        num_tokens, num_blocks, ep_size, slots_per_rank, slots, max_tokens * ep_size,
+        cfg.hist_offset, cfg.bad_offset, cfg.error_offset, TOP_K=top_k, BLOCK_T=cfg.block_t,
+        R_PAD=cfg.r_pad, NB_PAD=cfg.nb_pad, BINS=cfg.bins, TAIL_BLOCK=TAIL_BLOCK,
+        TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS)
+    plan = LocalSendPlan(send_counts=send_counts, send_rank_count_cumsum=send_cumsum,
+                         send_rank_local_indices=send_indices,
+                         backward_recv_rank_local_indices=backward, expert_counts=expert_counts)
+    return plan, scratch
+
+
+def raise_on_bad_ids(topk_ids: torch.Tensor, scratch: torch.Tensor, ep_size: int,
+                     max_tokens: int, slots: int) -> None:
+    """Read the device-side range check of :func:`launch_local_plan` (one host sync) and raise
+    ValueError naming an id outside ``[0, S]`` if there is one."""
+    cfg = plan_config(max_tokens, ep_size, topk_ids.shape[1], slots)
+    position = int(scratch[cfg.error_offset])
+    if position != NO_BAD_POSITION:
+        check_expert_ids("topk_ids", topk_ids, slots, allow_padding=True)  # names the id
+        bad = int(topk_ids.view(-1)[position])
+        raise ValueError(f"topk_ids holds expert id {bad} outside [0, {slots}] ({slots} = "
+                         f"padding) at flat position {position}")
 
 
 def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
@@ -151,42 +278,23 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
     topk_ids:            [T, k] int32 contiguous, slot ids in ``[0, S]``; S = padding.
     num_experts:         E, the number of distinct experts.
     ep_size:             R, the number of ranks; S must be a multiple of R.
-    max_tokens_per_rank: N >= T, sizes the index buffers ([N*R]); default T.
+    max_tokens_per_rank: N >= T, sizes the index buffers ([N*R]) and picks the compiled
+                         variant (one per N, R, k, S; T only sizes the grid); default T.
     slot_count:          S >= E (E plus redundant expert copies); default E.
-    check_ids:           range-check the ids first (reads them: one host sync on a GPU);
-                         pass False under CUDA-graph capture when the ids are known good.
+    check_ids:           True: read the kernels' device-side range check after the launch (one
+                         host sync) and raise ValueError naming an id outside ``[0, S]``.
+                         False: the fast path (no host sync, CUDA-graph capturable); ids
+                         outside ``[0, S]`` are then treated as padding.
     Returns a :class:`LocalSendPlan` equal field for field to the reference's: ascending token
     ids per destination segment, ``token*k + first slot`` backward indices, UNUSED tails,
-    ``expert_counts [S]``. Two launches of ``cdiv(T, BLOCK_T)`` programs.
+    ``expert_counts [S]``. Two launches, no host sync when ``check_ids=False``.
     """
-    num_tokens, top_k, max_tokens, slots = check_prepare_inputs(
-        topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=check_ids)
+    _, _, max_tokens, slots = check_prepare_inputs(
+        topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
     if not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be contiguous (call .contiguous() first); strides "
                          f"{topk_ids.stride()}")
-    device = topk_ids.device
-    block_t = block_tokens(num_tokens, ep_size)
-    num_blocks = max(1, triton.cdiv(num_tokens, block_t))
-    block_counts = torch.empty((num_blocks, ep_size), dtype=torch.int32, device=device)
-    block_hist = torch.empty((num_blocks, slots), dtype=torch.int32, device=device)
-    send_counts = torch.empty(ep_size, dtype=torch.int32, device=device)
-    send_cumsum = torch.empty(ep_size, dtype=torch.int32, device=device)
-    send_indices = torch.empty(max_tokens * ep_size, dtype=torch.int32, device=device)
-    backward = torch.empty_like(send_indices)
-    expert_counts = torch.empty(slots, dtype=torch.int32, device=device)
-    common = dict(TOP_K=top_k, BLOCK_T=block_t, R_PAD=triton.next_power_of_2(ep_size),
-                  num_warps=NUM_WARPS)
-    _count_kernel[(num_blocks,)](
-        topk_ids, block_counts, block_hist, num_tokens, ep_size, slots // ep_size, slots,
-        S_PAD=max(HIST_MIN_BINS, triton.next_power_of_2(slots)),
-        FLAT=triton.next_power_of_2(block_t * top_k), **common)
-    index_programs = max(num_blocks, triton.cdiv(max_tokens * ep_size, TAIL_CHUNK))
-    _index_kernel[(index_programs,)](
-        topk_ids, block_counts, block_hist, send_counts, send_cumsum, send_indices, backward,
-        expert_counts, num_tokens, num_blocks, ep_size, slots // ep_size, slots,
-        max_tokens * ep_size, NB_PAD=triton.next_power_of_2(num_blocks),
-        BINS=triton.next_power_of_2(triton.cdiv(slots, num_blocks)), TAIL_BLOCK=TAIL_BLOCK,
-        TAIL_CHUNK=TAIL_CHUNK, **common)
-    return LocalSendPlan(send_counts=send_counts, send_rank_count_cumsum=send_cumsum,
-                         send_rank_local_indices=send_indices,
-                         backward_recv_rank_local_indices=backward, expert_counts=expert_counts)
+    plan, scratch = launch_local_plan(topk_ids, ep_size, max_tokens, slots)
+    if check_ids:
+        raise_on_bad_ids(topk_ids, scratch, ep_size, max_tokens, slots)
+    return plan

@@ -65,6 +65,50 @@ def test_same_errors_as_reference(device):
                                 4, 2)
 
 
+def test_negative_id_raises_and_names_it(device):
+    ids = torch.tensor([[0, 1], [2, -1], [3, 3]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="expert id -1"):
+        prepare.local_send_plan(ids, 4, 2)
+
+
+def test_fast_path_treats_out_of_range_ids_as_padding(device):
+    """check_ids=False never syncs nor raises: ids outside [0, S] are sent nowhere."""
+    ids = torch.tensor([[0, -1], [9, 2], [3, -7], [12, 1]], dtype=torch.int32)
+    as_padding = torch.where((ids < 0) | (ids > 8), torch.full_like(ids, 8), ids)
+    got = prepare.local_send_plan(ids.to(device), 8, 4, max_tokens_per_rank=6, check_ids=False)
+    assert_plans_equal(got, ref.local_send_plan(as_padding, 8, 4, max_tokens_per_rank=6))
+
+
+def test_launch_constants_depend_on_the_configuration_only():
+    """Every rank of a configuration (N, R, k, S) gets the same compiled variant whatever its T:
+    the launch constants are a function of the configuration."""
+    cfg = prepare.plan_config(300, 4, 8, 16)
+    assert prepare.block_tokens(300, 4) == cfg.block_t
+    assert cfg.index_programs * cfg.bins >= 16  # the histogram slices cover S
+    assert cfg.index_programs * prepare.TAIL_CHUNK >= 300 * 4  # the tail programs cover N*R
+    assert cfg.nb_pad * cfg.block_t >= 300  # the index kernel sees every block of any T <= N
+
+
+@pytest.mark.gpu
+def test_one_compiled_variant_for_every_token_count_gpu(device):
+    """T only sizes the grid: after the first call, other T (incl. 0, 1, 16) compile nothing."""
+    generator = torch.Generator().manual_seed(2)
+    kernels = (prepare._count_kernel, prepare._index_kernel)
+
+    def cached():
+        index = torch.cuda.current_device()
+        return [len(kernel.device_caches[index][0]) for kernel in kernels]
+
+    prepare.local_send_plan(random_routing(4, 300, 8, 16, 16, generator).to(device), 16, 4,
+                            max_tokens_per_rank=300)
+    before = cached()
+    for tokens in (0, 1, 16, 17, 255, 300):
+        ids = random_routing(4, tokens, 8, 16, 16, generator)
+        got = prepare.local_send_plan(ids.to(device), 16, 4, max_tokens_per_rank=300)
+        assert_plans_equal(got, ref.local_send_plan(ids, 16, 4, max_tokens_per_rank=300))
+    assert cached() == before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [16, 1023, 4096, 8192])
 @pytest.mark.parametrize("ep_size", [2, 8, 64])

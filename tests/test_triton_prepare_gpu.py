@@ -9,10 +9,12 @@ data (its waits time out at once), the second finds every flag set.
 Simulation: one zeroed [R, words] workspace (row r = rank r's inbox), one CUDA stream per rank;
 every rank's call is launched on its own stream with ``check=False`` (a host sync inside one
 rank's call would wait for ranks not yet launched) and ``check_ids=False``; then all streams are
-synchronized and each plan is compared field by field with ``simulate_alltoall``. The exchange
-kernels of all R ranks must be resident at once or they deadlock: with ``max_programs`` = P
-each rank launches R * C <= P programs of 4 warps, so R * P programs in all (at most 8 * 16 =
-128 here), far below what 132 SMs hold.
+synchronized and each plan is compared field by field with ``simulate_alltoall``. Each test
+first calls ``triton_prepare.warmup`` for its configuration: compiling (loading a CUDA module)
+waits for the device to be idle, which never happens while another rank's exchange spins.
+The exchange kernels of all R ranks must be resident at once or they deadlock: with
+``max_programs`` = P each rank launches R * C <= P programs of 4 warps, so R * P programs in all
+(at most 8 * 16 = 128 here), far below what 132 SMs hold.
 """
 
 import os
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from a2a import triton_prepare as tp
+from kernels import prepare
 from kernels import reference as ref
 from tests.test_reference_prepare import random_routing
 
@@ -88,6 +91,8 @@ def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tok
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts, slots)
     workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    tp.warmup(device, ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
+              top_k=top_k, slot_count=slots, max_programs=max_programs)
     for call in range(100):  # fresh routing every call: exercises the flags and the parities
         ids, weights, ids_dev, weights_dev = make_inputs(
             ep_size, max_tokens, top_k, experts, slots, generator, device, uneven=call % 3 == 1)
@@ -113,6 +118,8 @@ def test_bit_identical_over_100_runs(device):
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts)
     workspace = torch.zeros((ep_size, words), dtype=torch.uint64, device=device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    tp.warmup(device, ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
+              top_k=top_k, max_programs=16, with_expert_counts=(True,))
     first = simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
                            max_tokens=max_tokens, slots=experts, call_index=0, max_programs=16)
     for call in range(1, 101):
@@ -153,6 +160,48 @@ def test_workspace_checks(device):
                           max_tokens_per_rank=4, call_index=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a GPU")
+def test_fast_path_has_no_host_sync_and_captures_in_a_cuda_graph(device):
+    """check=False, check_ids=False (and the local plan's check_ids=False) never sync: CUDA-graph
+    capture would raise on a sync. One rank (R = 1) exchanges with itself."""
+    max_tokens, top_k, experts = 100, 4, 8
+    generator = torch.Generator().manual_seed(5)
+    ids, weights, ids_dev, weights_dev = make_inputs(1, max_tokens, top_k, experts, experts,
+                                                     generator, device, uneven=False)
+    tp.warmup(device, ep_size=1, num_experts=experts, max_tokens_per_rank=max_tokens,
+              top_k=top_k, with_expert_counts=(True,))
+    words = tp.prepare_workspace_words(1, max_tokens, top_k, experts)
+    workspace = torch.zeros((1, words), dtype=torch.int64, device=device)
+    status = torch.zeros(1, dtype=torch.int64, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = tp.triton_prepare(ids_dev[0], weights_dev[0], workspace, ep_rank=0, ep_size=1,
+                                 num_experts=experts, max_tokens_per_rank=max_tokens,
+                                 call_index=0, check=False, check_ids=False, status=status)
+        local = prepare.local_send_plan(ids_dev[0], experts, 1, max_tokens_per_rank=max_tokens,
+                                        check_ids=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert status.tolist() == [0]
+    assert_plan_equal(plan, ref.simulate_alltoall(ids, weights, experts, max_tokens)[0])
+    want = ref.local_send_plan(ids[0], experts, 1, max_tokens_per_rank=max_tokens)
+    for name, tensor in want.tensors().items():
+        assert torch.equal(local.tensors()[name].cpu(), tensor), name
+
+
+def test_bad_id_raises_before_anything_is_sent(device):
+    """check_ids=True reads the device-side range check before the exchange launches."""
+    ids = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=device)
+    weights = torch.ones(2, 2, dtype=torch.float32, device=device)
+    words = tp.prepare_workspace_words(2, 4, 2, 4)
+    workspace = torch.zeros((2, words), dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="expert id -1"):
+        tp.triton_prepare(ids, weights, workspace, ep_rank=0, ep_size=2, num_experts=4,
+                          max_tokens_per_rank=4, call_index=0, check_ids=True)
+    assert int(workspace.abs().sum()) == 0  # no count, row or flag was written
+
+
 def _interpreter_with_runtime_loops(monkeypatch):
     """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)``, which numpy 2
     refuses for the 1-element arrays it holds; patch that one conversion for this test only."""
@@ -180,6 +229,8 @@ def test_exchange_index_math_emulated_on_cpu(monkeypatch, ep_size, max_tokens, t
     generator = torch.Generator().manual_seed(ep_size * 7 + max_tokens)
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts, slots)
     workspace = torch.zeros((ep_size, words), dtype=torch.int64)
+    tp.warmup("cpu", ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
+              top_k=top_k, slot_count=slots, max_programs=max_programs)  # touches no workspace
     for call in range(2):  # two calls: both parities of the double buffer
         ids, weights, _, _ = make_inputs(ep_size, max_tokens, top_k, experts, slots, generator,
                                          "cpu", uneven=True)
