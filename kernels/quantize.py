@@ -24,6 +24,7 @@ padded to the swizzled tile so that the same programs write the zero padding of 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -44,11 +45,16 @@ LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # constexpr LAYO
 TILE_ELEMENTS = 4096
 MAX_BLOCKS_PER_PROGRAM = 32  # 32 NVFP4 blocks = 512 columns = 1 KiB bf16 per row
 NUM_WARPS = 4
-# The global-scale pass takes 8x bigger tiles (64 KiB of bf16, 8 warps) so that its three
-# same-address atomics per program stay few (~1800 programs for [8192, 7168]).
-AMAX_TILE_ELEMENTS = 32768
-AMAX_TILE_COLS = 2048
+# The global-scale pass: a persistent grid of AMAX_PROGRAMS_PER_SM programs per SM, each
+# looping over [AMAX_TILE_ROWS, AMAX_TILE_COLS] tiles (16 KiB of bf16 per step, 8 warps: 4
+# 16-byte loads per thread in flight), then one tiny program reduces the per-program maxima.
+# Two launches, no memset: at [8192, 7168] bf16 the one read of x (117 MB) is ~28 us of HBM.
+AMAX_TILE_COLS = 1024
+AMAX_TILE_ROWS = 8
 AMAX_NUM_WARPS = 8
+AMAX_PROGRAMS_PER_SM = 4
+AMAX_MAX_PROGRAMS = 1024  # the finishing program reduces at most this many partials
+_INTERPRETER_SMS = 4  # stands in for the SM count under TRITON_INTERPRET
 # Use the GPU's cvt.rn.satfinite.e4m3x2.f32 (via Triton's fp8 cast) for e4m3 on a GPU; tests
 # set it to False to check the software path on the GPU too.
 _HARDWARE_E4M3 = True
@@ -277,22 +283,33 @@ def _mx_quantize_kernel(x_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_row
 
 
 @triton.jit
-def _global_scale_kernel(x_ptr, workspace_ptr, out_ptr, num_rows, hidden, stride_row,
-                         stride_col, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
-    """One pass: each program folds the amax of its tile into workspace[0] (atomic max on the
-    fp32 bits: non-negative floats order like their bits), then counts itself in workspace[1];
-    the program that counts last reads the total and writes 448 * 6 / amax (1.0 for 0).
-    Deterministic: max does not depend on the order of the atomics."""
-    x = _load_tile(x_ptr, x_ptr, tl.program_id(0) * BLOCK_ROWS, tl.program_id(1) * COLS,
-                   num_rows, num_rows, hidden, stride_row, stride_col, False, BLOCK_ROWS, COLS)
-    tile_amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    tl.atomic_max(workspace_ptr, tile_amax.to(tl.int32, bitcast=True), sem="relaxed")
-    done = tl.atomic_add(workspace_ptr + 1, 1, sem="acq_rel")
-    is_last = done == tl.num_programs(0) * tl.num_programs(1) - 1
-    amax = tl.atomic_max(workspace_ptr, 0, mask=is_last, sem="acquire")
-    amax = amax.to(tl.float32, bitcast=True)
+def _amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride_col,
+                         tiles_per_program, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Persistent pass 1 of the global scale: program p folds |x| over tiles p, p + P, p + 2P,
+    ... (P = the grid) into a register tile and writes its max to partial[p]. No atomics, no
+    zeroed workspace, so no fill launches; max is order-independent (deterministic). A tile
+    index past the last tile starts past the last row, so its load is fully masked."""
+    col_tiles = tl.cdiv(hidden, COLS)
+    acc = tl.zeros((BLOCK_ROWS, COLS), tl.float32)
+    step = 0
+    while step < tiles_per_program:  # (a while loop: the interpreter cannot range() over an arg)
+        tile = tl.program_id(0) + step * tl.num_programs(0)
+        x = _load_tile(x_ptr, x_ptr, (tile // col_tiles) * BLOCK_ROWS, (tile % col_tiles) * COLS,
+                       num_rows, num_rows, hidden, stride_row, stride_col, False, BLOCK_ROWS,
+                       COLS)
+        acc = tl.maximum(acc, tl.abs(x))
+        step += 1
+    tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr):
+    """Pass 2 (one program): amax = max(partial[:num_partials]); out = 448 * 6 / amax with an
+    IEEE division, 1.0 when amax == 0 (or num_partials == 0)."""
+    offsets = tl.arange(0, BLOCK)
+    amax = tl.max(tl.load(partial_ptr + offsets, mask=offsets < num_partials, other=0.0), axis=0)
     scale = tl.math.div_rn(tl.full((), _GLOBAL_NUMERATOR, tl.float32), amax)
-    tl.store(out_ptr, tl.where(amax == 0, 1.0, scale), mask=is_last)
+    tl.store(out_ptr, tl.where(amax == 0, 1.0, scale))
 
 
 @triton.jit
@@ -386,23 +403,35 @@ def _check_out(name: str, out: Optional[torch.Tensor], shape: tuple, dtype: torc
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or _interpreting():
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4 global encode scale ``448 * 6 / amax(x)``: [1] fp32, 1.0 when amax(x) == 0.
 
-    x: [M, H] bf16/fp16/fp32 (any strides). One read of x (plus a 2-word zeroed workspace);
-    the division is IEEE. Deterministic (max is order-independent).
+    x: [M, H] bf16/fp16/fp32 (any strides). One read of x by a persistent grid, then one
+    single-program reduction; the division is IEEE. Deterministic (max is order-independent).
     """
     check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
     num_rows, hidden = x.shape
-    out = torch.ones(1, dtype=torch.float32, device=x.device)  # stays 1.0 when M*H == 0
+    out = torch.empty(1, dtype=torch.float32, device=x.device)
     cols = min(AMAX_TILE_COLS, triton.next_power_of_2(max(hidden, 1)))
-    block_rows = AMAX_TILE_ELEMENTS // cols
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, cols))
-    if grid[0] * grid[1]:
-        workspace = torch.zeros(2, dtype=torch.int32, device=x.device)  # [amax bits, count]
-        _global_scale_kernel[grid](x, workspace, out, num_rows, hidden, x.stride(0),
-                                   x.stride(1), BLOCK_ROWS=block_rows, COLS=cols,
-                                   num_warps=AMAX_NUM_WARPS, enable_fp_fusion=False)
+    block_rows = max(AMAX_TILE_ROWS, AMAX_TILE_ROWS * AMAX_TILE_COLS // cols)
+    num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
+    num_programs = min(num_tiles, AMAX_PROGRAMS_PER_SM * _num_sms(x.device), AMAX_MAX_PROGRAMS)
+    partial = torch.empty(max(num_programs, 1), dtype=torch.float32, device=x.device)
+    if num_programs:
+        _amax_partial_kernel[(num_programs,)](x, partial, num_rows, hidden, x.stride(0),
+                                              x.stride(1), triton.cdiv(num_tiles, num_programs),
+                                              BLOCK_ROWS=block_rows, COLS=cols,
+                                              num_warps=AMAX_NUM_WARPS)
+    _global_scale_finish_kernel[(1,)](partial, out, num_programs,
+                                      BLOCK=triton.next_power_of_2(max(num_programs, 1)),
+                                      num_warps=4)
     return out
 
 
