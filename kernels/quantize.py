@@ -11,9 +11,12 @@ Hopper (SM90) and Blackwell alike, and on CPU under ``TRITON_INTERPRET=1``:
   ``enable_fp_fusion=False`` so that ``x * scale`` is rounded before that add (an FMA would
   round once and break the tie rules).
 - e4m3 (RNE, satfinite): integer rounding of the fp32 bits to 3 mantissa bits, the magic add
-  for the subnormal range. On a GPU ``_HARDWARE_E4M3`` lets it use Triton's fp32 -> fp8e4nv
-  cast instead, which Triton 3.6 lowers to ``cvt.rn.satfinite.e4m3x2.f32`` on SM89+ (the same
-  RNE-satfinite); the interpreter's cast is not RNE, so it always takes the software path.
+  for the subnormal range. For MXFP8 elements on a GPU ``_HARDWARE_E4M3`` lets it use
+  Triton's fp32 -> fp8e4nv cast instead, which Triton 3.6 lowers to
+  ``cvt.rn.satfinite.e4m3x2.f32`` on SM89+ (the same RNE-satfinite); the interpreter's cast is
+  not RNE, so it always takes the software path. NVFP4 scales always take the software path:
+  on H200 the hardware cast of the block-reduced scale tensor gave wrong codes for fp32 input
+  (seen with Triton 3.6: whole rows of scales 0x00 and sign-flipped element codes).
 - divisions use ``tl.math.div_rn`` (Triton's ``/`` is approximate on the GPU).
 
 Launch rule (fixed, no autotune): a program quantizes a tile of ``BLOCK_ROWS`` rows by
@@ -204,7 +207,7 @@ def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_pt
                            num_rows, num_src_rows, hidden, stride_row, stride_col,
                            padded_rows, padded_blocks,
                            HAS_ROWS: tl.constexpr, LAYOUT: tl.constexpr,
-                           FAST_MATH: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                           FAST_MATH: tl.constexpr,
                            BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
     COLS: tl.constexpr = BLOCKS * 16
     row_start = tl.program_id(0) * BLOCK_ROWS
@@ -215,21 +218,29 @@ def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_pt
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_ROWS, BLOCKS]
     global_scale = tl.load(global_scale_ptr)
     if FAST_MATH:  # FlashInfer's default: sf = e4m3(gs * (a * rcp(6))), 1 / x = rcp(x)
-        sf_value = global_scale * (amax * _rcp_approx(tl.full(amax.shape, 6.0, tl.float32)))
+        # rcp.approx(6) == f32(1/6) (test_gpu_rcp_approx_constants_equal_ieee), so the
+        # constant stands in for it; only the association differs from the IEEE recipe.
+        sf_value = global_scale * (amax * _INV6)
     else:  # IEEE: sf = e4m3(a * (gs * f32(1/6)))
         sf_value = amax * (global_scale * _INV6)
-    sf = _e4m3_code(sf_value, HARDWARE_E4M3)
+    # The scale is rounded in software: Triton 3.6's hardware fp32 -> e4m3 cast on this
+    # block-reduced (sliced-layout) tensor gave wrong codes for fp32 input on H200.
+    sf = _e4m3_code(sf_value, False)
     sf_float = _e4m3_value(sf)
     if FAST_MATH:
-        decode = _rcp_approx(tl.full(amax.shape, 1.0, tl.float32) * global_scale)
-        out_scale = _rcp_approx(sf_float * decode)
+        # rcp.approx through inline PTX on the element-shaped tensor: on the block-shaped
+        # (sliced-layout) tensor the same asm gave run-to-run different results on H200.
+        sf_elements = tl.broadcast_to(sf_float[:, :, None], (BLOCK_ROWS, BLOCKS, 16))
+        gs_elements = tl.full((BLOCK_ROWS, BLOCKS, 16), 1.0, tl.float32) * global_scale
+        out_scale = _rcp_approx(sf_elements * _rcp_approx(gs_elements))
+        out_scale = tl.where(amax[:, :, None] == 0, 0.0, out_scale)
     else:
         decode = tl.math.div_rn(1.0, global_scale)
         out_scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
                                               sf_float * decode),
                                _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
-    out_scale = tl.where(amax == 0, 0.0, out_scale)
-    codes = _e2m1_code(x * out_scale[:, :, None])
+        out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
+    codes = _e2m1_code(x * out_scale)
     packed = _pack_pairs(tl.reshape(codes, (BLOCK_ROWS, COLS)), BLOCK_ROWS, COLS)
 
     rows = row_start + tl.arange(0, BLOCK_ROWS)
@@ -477,7 +488,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         x, rows if rows is not None else x, global_scale, out, out_scales,
         num_rows, num_src_rows, hidden, x.stride(0), x.stride(1), padded_rows, padded_blocks,
         HAS_ROWS=rows is not None, LAYOUT=LAYOUT_IDS[layout], FAST_MATH=fast_math,
-        HARDWARE_E4M3=_hardware_e4m3(x.device), BLOCK_ROWS=block_rows, BLOCKS=blocks,
+        BLOCK_ROWS=block_rows, BLOCKS=blocks,
         num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out, out_scales
 

@@ -200,6 +200,8 @@ def test_gpu_fast_math_close_to_ieee(seed):
     x = _hard_input(512, 7168, torch.bfloat16, "cuda")
     gs = R.nvfp4_global_scale(x)
     fast_packed, fast_sf = Q.quantize_nvfp4(x, gs, fast_math=True)
+    again_packed, again_sf = Q.quantize_nvfp4(x, gs, fast_math=True)
+    assert torch.equal(fast_packed, again_packed) and torch.equal(fast_sf, again_sf)
     ieee_packed, ieee_sf = Q.quantize_nvfp4(x, gs)
     amax = x.float().reshape(512, -1, 16).abs().amax(-1)
     sf_in = amax * (gs * torch.tensor(1 / 6, device="cuda"))
