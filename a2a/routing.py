@@ -19,7 +19,6 @@ from kernels.reference import check_routing_args
 # top-k over at most 4 groups x 32 lanes.
 FI_MAX_TOP_K = 8                # MaxNumTopExperts
 FI_MAX_EXPERTS_GROUPED = 256    # NumDeepseekExperts: the 256 threads of the grouped kernel
-FI_MAX_EXPERTS_UNGROUPED = 384  # NumKimiK2Experts
 FI_MAX_EXPERTS_PER_GROUP = 32   # one warp per group
 FI_MAX_GROUPS = 8               # 256 threads / 32 lanes: group scores exist for 8 warps only
 FI_MAX_TOPK_GROUPS = 4          # MaxNumTopGroups: the final top-k reads at most 4 groups
@@ -35,15 +34,12 @@ def _check_flashinfer_limits(num_experts: int, top_k: int, num_groups: int,
         raise ValueError(f"top_k={top_k}: FlashInfer's fused_topk_deepseek takes top_k <= "
                          f"{FI_MAX_TOP_K}; {way_out}")
     if num_groups == 1:
-        if top_k > 1:
-            # Its own check demands topk_group * n_group >= top_k, which n_group = 1 never
-            # meets for k > 1 (seen with FlashInfer 0.7.2 on H200).
-            raise ValueError(f"top_k={top_k} without groups: FlashInfer's fused_topk_deepseek "
-                             f"rejects n_group=1 unless top_k == 1; {way_out}")
-        if num_experts > FI_MAX_EXPERTS_UNGROUPED:
-            raise ValueError(f"E={num_experts}: FlashInfer's fused_topk_deepseek takes E <= "
-                             f"{FI_MAX_EXPERTS_UNGROUPED} without groups; {way_out}")
-        return
+        # Its n_group = 1 path is unusable: its own check demands topk_group * n_group >= top_k
+        # (never true for k > 1), and with E=384, k=1 the kernel hit an illegal memory access
+        # (FlashInfer 0.7.2 on H200).
+        raise ValueError(f"num_groups=1: FlashInfer's fused_topk_deepseek without groups "
+                         f"rejects top_k > 1 and crashed for top_k=1 on H200 (FlashInfer "
+                         f"0.7.2); {way_out}")
     per_group = num_experts // num_groups
     limits = [
         (num_experts <= FI_MAX_EXPERTS_GROUPED, f"E={num_experts} <= {FI_MAX_EXPERTS_GROUPED}"),

@@ -165,8 +165,8 @@ def test_flashinfer_adapter_wraps_deepseek_v3_only():
 
 @pytest.mark.parametrize("args, message", [
     ((256, 9, 8, 4), "top_k <= 8"),
-    ((512, 1, 1, 1), "E <= 384 without groups"),
-    ((384, 8, 1, 1), "rejects n_group=1 unless top_k == 1"),
+    ((384, 8, 1, 1), "without groups rejects top_k > 1 and crashed for top_k=1"),
+    ((384, 1, 1, 1), "without groups rejects top_k > 1 and crashed for top_k=1"),
     ((384, 8, 8, 4), "E=384 <= 256"),
     ((256, 8, 4, 2), "E/num_groups=64 <= 32"),
     ((256, 8, 16, 4), "num_groups=16 <= 8"),
@@ -176,7 +176,6 @@ def test_flashinfer_limits_are_named(args, message):
     with pytest.raises(ValueError, match=message):
         _check_flashinfer_limits(*args)
     _check_flashinfer_limits(256, 8, 8, 4)  # DeepSeek-V3's own shape passes
-    _check_flashinfer_limits(384, 1, 1, 1)  # no groups, top-1
 
 
 @pytest.mark.parametrize("run", [route_topk_triton, route_topk_stage])
@@ -282,7 +281,6 @@ def _near_ties(logits, bias, top_k, num_groups, topk_groups):
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, groups, dtype", [
     (8192, 256, 8, (8, 4), torch.bfloat16),   # DeepSeek-V3
     (8192, 256, 8, (8, 4), torch.float32),
-    (4096, 384, 1, (1, 1), torch.bfloat16),   # no groups: FlashInfer takes it for k = 1 only
     (4096, 128, 4, (4, 2), torch.float32),
     (1, 256, 8, (8, 4), torch.float32),
     (0, 256, 8, (8, 4), torch.float32),
