@@ -34,6 +34,7 @@ ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + DISTRIBUTED_STAGES
 STAGE_NAMES = tuple(dict.fromkeys(s.name for s in ALL_STAGES))
 BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "torch", "torch_compile")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 # Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=2)
 SWEEPS = {"quick": (QUICK_SWEEP, CPU_QUICK_SWEEP), "default": (DEFAULT_SWEEP, CPU_SWEEP),
@@ -73,6 +74,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="add a PASS/FAIL column for the rows with a stated target")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    parser.add_argument("--readme-from", default=None, metavar="JSON[,JSON]",
+                        help="run nothing: rewrite README.md's headline table from these "
+                             "result files (written by earlier GPU runs)")
     args = parser.parse_args(argv)
     args.stage_list = _choose(args.stages, STAGE_NAMES, "--stages")
     args.backend_set = (set(_choose(args.backends, BACKEND_NAMES, "--backends"))
@@ -202,6 +206,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     """Entry point of ``python -m bench`` and ``moe-a2a-bench``; returns the records of a
     single-process run (empty for ``--gpus N > 1``, where rank 0 reports)."""
     args = parse_args(argv)
+    if args.readme_from:
+        report.update_readme(README, [p for p in args.readme_from.split(",") if p])
+        print(f"updated {README}", file=sys.stderr)
+        return []
     args.deadline = deadline(args, torch.cuda.is_available())
     if args.gpus > 1:
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -231,3 +231,70 @@ def write_plots(records: list[dict], meta: dict, stem: str) -> list[str]:
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return [path]
+
+
+# ---------------------------------------------------------------------------------------------
+# README headline (written by the bench from its own result files)
+# ---------------------------------------------------------------------------------------------
+
+README_START = "<!-- bench:headline:start (written by python -m bench --readme-from) -->"
+README_END = "<!-- bench:headline:end -->"
+# Tokens per rank shown for the cross-rank stages in the headline.
+HEADLINE_TOKENS = (16, 2048)
+
+
+def _headline_records(records: list[dict], num_gpus: int) -> list[dict]:
+    """The rows with a stated target and, for multi-GPU runs, the cross-rank rows at
+    ``HEADLINE_TOKENS``; each with every backend's row of the same stage and shape."""
+    keys = []
+    for r in records:
+        wanted = ("target" in r) or (num_gpus > 1 and r["stage"] != "layer"
+                                     and r["shape"].get("tokens") in HEADLINE_TOKENS)
+        key = (r["stage"], json.dumps(r["shape"], sort_keys=True))
+        if wanted and key not in keys:
+            keys.append(key)
+    return [r for key in keys for r in records
+            if (r["stage"], json.dumps(r["shape"], sort_keys=True)) == key and r["ok"] is not None]
+
+
+def format_headline(results: list[dict]) -> str:
+    """Markdown for the README: per result file, its GPU, date and command, then the headline
+    rows (time, GB/s, speed-up against FlashInfer, target verdict)."""
+    lines = []
+    for result in results:
+        meta, records = result["meta"], result["records"]
+        lines += [f"**{meta['gpu']} x{meta['num_gpus']}, {meta['date']}** "
+                  f"(`{meta['command']}`; limits: {_limits_text(meta['limits'])})", "",
+                  "| stage | shape | backend | ok | time us | GB/s | x FI | target |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in _headline_records(records, meta["num_gpus"]):
+            passed = r.get("target_pass", "absent")
+            verdict = "" if passed == "absent" else \
+                f"{ {True: 'PASS', False: 'FAIL', None: 'not run'}[passed]}: {r['target']}"
+            lines.append("| " + " | ".join([
+                r["stage"], _shape_text(r["shape"]), r["backend"], _ok(r),
+                _fmt(r["time_us"], ".1f"), _fmt(r["gbps"], ".0f"),
+                _fmt(r.get("speedup_vs_flashinfer"), ".2f"), verdict]).replace("\n", " ") + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def update_readme(readme_path: str, result_paths: list[str]) -> None:
+    """Replace the README's headline section (between ``README_START`` and ``README_END``)
+    with ``format_headline`` of the given result JSON files."""
+    results = []
+    for path in result_paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    with open(readme_path) as f:
+        text = f.read()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{readme_path} has no headline markers ({README_START} ... "
+                         f"{README_END})")
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    links = ", ".join(f"`{os.path.relpath(p, os.path.dirname(readme_path) or '.')}`"
+                      for p in result_paths)
+    body = f"\nFrom {links} (full tables beside them).\n\n" + format_headline(results)
+    with open(readme_path, "w") as f:
+        f.write(head + README_START + body + README_END + tail)
