@@ -108,6 +108,10 @@ def _segments(cumsum: torch.Tensor) -> list[tuple[int, int]]:
 # Our transport (a2a.MoEAlltoall) and FlashInfer's one-sided MoeAlltoAll
 # ---------------------------------------------------------------------------------------------
 
+# Hidden size of the (unused) payload rows of the prepare stage, which moves no rows.
+PREPARE_HIDDEN = 16
+
+
 def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str):
     """An ``a2a.MoEAlltoall`` for this shape (collective), closed after the shape."""
     cls = load("a2a", "MoEAlltoall")
@@ -116,7 +120,8 @@ def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str):
         reason = why(stage, backend, ctx.device)
         if reason is not None:
             raise Unavailable(f"not available: {reason}")
-    instance = cls(ctx.group, shape["experts"], shape["top_k"], shape["tokens"], shape["hidden"],
+    instance = cls(ctx.group, shape["experts"], shape["top_k"], shape["tokens"],
+                   shape.get("hidden", PREPARE_HIDDEN),
                    backends={"prepare": prepare, "transport": transport})
     ctx.shared.setdefault("closers", []).append(instance.close)
     return instance
@@ -365,7 +370,8 @@ PREPARE_RANKS = Stage(
     variants=({"scope": "ranks"},),
     extra=lambda: [dict(scope="ranks", tokens=t, experts=256, top_k=8, routing="uniform")
                    for t in (16, 512, 8192)],
-    build=lambda shape, device, ctx=None: _all_inputs({**shape, "hidden": 16}, device, ctx),
+    build=lambda shape, device, ctx=None: _all_inputs({**shape, "hidden": PREPARE_HIDDEN}, device,
+                                                      ctx),
     paths=_prepare_paths, check=_prepare_check, traffic=_prepare_traffic,
     dtype=lambda shape: "int32", distributed=True, oracle=None)
 
