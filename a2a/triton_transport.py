@@ -1,0 +1,419 @@
+"""The Triton transport: dispatch and combine as direct stores into the peers' mapped memory.
+
+Each transfer is two kernels, the same pair for dispatch and combine (they differ only in the
+cumsums and index lists they are given, exactly as FlashInfer's ``moe_comm`` is called):
+
+``_send_kernel``  grid (R, C): program (q, chunk) copies chunk ``chunk`` of this rank's
+                  segment for destination q (row ``send_indices[seg_start + i]`` of the input)
+                  straight into q's inbox (area[me][parity][i]), then publishes
+                  ``flag[me, chunk]`` of q's row: a CTA barrier (every thread's stores come
+                  first), then one ``atomic_xchg(value = c + 1, sem="release", scope="sys")``.
+``_recv_kernel``  grid (R, C): program (s, chunk) waits (bounded spin, acquire, system scope)
+                  until ``flag[s, chunk]`` of our row is >= c + 1, a CTA barrier, then copies
+                  chunk ``chunk`` of area[s][parity] (L2 reads, ``.cg``) to output rows
+                  ``recv_indices[recv_start(s) + i]``.
+
+Both sides split a segment of ``count`` rows into the same C chunks of ``ceil(count / C)`` rows
+(the sender's count for q equals q's receive count from the sender: the plan says so), so a
+receiving program needs just one flag. The local segment (q = me) takes the same path.
+
+dispatch: send = (send_rank_count_cumsum, send_rank_local_indices), recv =
+(recv_rank_count_cumsum, recv_rank_local_indices = identity); output rows past total_recv are
+zeroed by the receive kernel (spread over its programs).
+combine:  send = (recv_rank_count_cumsum, recv_rank_local_indices), recv =
+(send_rank_count_cumsum, backward_recv_rank_local_indices) into zeros ``[T*k, B]``; the caller
+reduces over k with ``a2a.alltoall.sum_over_slots``, so the result is bit-identical to the
+other transports by construction (a fused reduction would have to repeat torch's reduction
+order on each device; not done).
+
+The workspace
+-------------
+``workspace [R, words]`` uint64/int64, row q = rank q's inbox, every row addressable here
+(``MnnvlWorkspace``; for R simulated ranks on one GPU or in the interpreter, a plain zeroed
+tensor). Rank q's row, for rows of B bytes (B % 16 == 0) and N = max_tokens_per_rank::
+
+    flags [R, MAX_CHUNKS] int64       flag[s, chunk]: last call whose chunk ``chunk`` source s
+                                      delivered, as c + 1 (0 = never); padded to 128 bytes
+    area  [R][2][N][B] bytes          area[s][p]: the rows s sent in a call of parity p
+
+One workspace carries one kind of transfer (dispatch or combine) of one row size: its calls
+are numbered by its own counter.
+
+The call counter lives on the device
+------------------------------------
+``call_counter`` ([1] int64, local, zeroed with the workspace): both kernels read c from it and
+``call_counter += 1`` follows the receive kernel on the same stream. No call index comes from
+the host, so a CUDA graph that captures a transfer stays right at every replay (each replay
+is a new call). Every rank must run the same sequence of transfers on a workspace.
+
+Why ``>= c + 1`` and not ``==``: source s's send of call c + 1 needs only its own receive of
+call c, which needs our send of call c, which runs before our receive of call c; so s may have
+published c + 2 before we look. That value still proves the call-c rows were stored before it
+(release covers all earlier stores). It cannot be c + 3: s's send of call c + 2 needs our send
+of call c + 1, which runs after our receive of call c.
+
+Why two parities suffice: source s writes area[s][p] again in call c + 2. Its send of call
+c + 2 runs after its receive of call c + 1 (same stream), which waited for our call-c+1 flag;
+our send of call c + 1 runs after our receive of call c (same stream) finished reading
+area[s][p]. So call c + 2's stores cannot overtake our call-c reads.
+
+Timeout: each wait spins at most ``timeout_spins`` times (one system-scope atomic each, well
+over 0.1 us: the default is tens of seconds). On timeout the program writes zeros for the
+missing rows (it never reads them) and records ``status[s] = max(status[s], c + 1)``;
+:func:`raise_on_timeout` (``check=True``: one host sync) raises naming the source ranks. After
+a timeout the workspace is stale: make a new one (zeroed, counter 0) on every rank.
+
+Co-residency: no program of the send kernel waits, and receive programs wait only for other
+ranks' send kernels. On one GPU per rank nothing has to be co-resident (any grid works). With
+R simulated ranks on one GPU, the spinning receive programs of all ranks must leave room for
+the send kernels: R * R * C programs well below the SM count (tests use a small
+``max_programs``). Compilation waits for the device to be idle, so simulated ranks call
+:func:`warmup` first (as for ``a2a.triton_prepare``).
+
+Host syncs: none with ``check=False`` (two launches, one in-place add, caching-allocator
+allocations): CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from a2a.triton_prepare import TIMEOUT_SPINS
+from kernels.types import AlltoallPlan
+from kernels.validate import check_tensor
+
+# Rows move as 32-bit words; a row must be a whole number of 16-byte vectors (as FlashInfer's
+# moe_comm requires), so every dtype (bf16, packed nvfp4, scale bytes) moves bit-exactly.
+ROW_ALIGN_BYTES = 16
+WORD_BYTES = 4
+# Chunks per (source, destination) pair: a fixed upper bound so that the flag layout does not
+# depend on the launch.
+MAX_CHUNKS = 32
+# Flags and row starts are padded to this many bytes (and the row size to a multiple of it, so
+# that every workspace's row stride is a multiple of 16 words: one compiled variant).
+PAD_BYTES = 128
+# Default bound on a kernel's grid R * C (one program per SM of an H200, which has 132).
+TRANSPORT_PROGRAMS = 128
+# Words per tile: 4 warps x 32 threads x 8 words, two 16-byte vectors per thread per step.
+TILE_WORDS = 1024
+NUM_WARPS = 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@triton.jit
+def _segment(cumsum_ptr, peer):
+    """(start, count) of ``peer``'s segment of an inclusive cumsum."""
+    end = tl.load(cumsum_ptr + peer)
+    start = tl.load(cumsum_ptr + peer - 1, mask=peer > 0, other=0)
+    return start, end - start
+
+
+@triton.jit
+def _chunk_bounds(count, chunk, num_chunks):
+    """Rows [begin, end) of chunk ``chunk`` when ``count`` rows split into ``num_chunks``."""
+    per_chunk = (count + num_chunks - 1) // num_chunks
+    begin = chunk * per_chunk
+    return begin, tl.minimum(begin + per_chunk, count)
+
+
+@triton.jit(do_not_specialize=["ep_rank", "max_rows"])
+def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counter_ptr,
+                 ep_rank, max_rows, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                 MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_WORDS: tl.constexpr):
+    peer = tl.program_id(0)  # destination
+    chunk = tl.program_id(1)
+    call = tl.load(counter_ptr)
+    parity = call % 2
+    rows32 = rows_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    peer_row = peer.to(tl.int64) * ws_row_stride  # in 64-bit words
+    area = (ws32 + peer_row * 2 + FLAG_WORDS
+            + ((ep_rank * 2 + parity) * max_rows).to(tl.int64) * ROW_WORDS)
+
+    seg_start, count = _segment(cumsum_ptr, peer)
+    begin, end = _chunk_bounds(count, chunk, tl.num_programs(1))
+    for row0 in range(begin, end, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < end
+        source = tl.load(indices_ptr + seg_start + rows, mask=row_ok, other=0).to(tl.int64)
+        for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
+            words = word0 + tl.arange(0, BLOCK_WORDS)
+            ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
+            values = tl.load(rows32 + source[:, None] * ROW_WORDS + words[None, :], mask=ok)
+            tl.store(area + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], values,
+                     mask=ok)
+    # Every thread's stores above happen before the flag: barrier, then one release store.
+    tl.debug_barrier()
+    flag = ws64 + peer_row + ep_rank * MAX_CHUNKS + chunk
+    tl.atomic_xchg(flag, call + 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_rows", "num_out_rows", "tail_rows",
+                               "timeout_spins"])
+def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counter_ptr,
+                 status_ptr, ep_rank, ep_size, max_rows, num_out_rows, tail_rows,
+                 timeout_spins, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                 MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 BLOCK_WORDS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+    peer = tl.program_id(0)  # source
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    call = tl.load(counter_ptr)
+    parity = call % 2
+    out32 = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
+
+    # Wait for source `peer`'s chunk (bounded), then let every thread read what it covers.
+    flag = ws64 + my_row + peer * MAX_CHUNKS + chunk
+    expected = call + 1
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (seen < expected) & (spins < timeout_spins):
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        spins += 1
+    arrived = seen >= expected
+    if not arrived:
+        tl.atomic_max(status_ptr + peer, expected)
+    tl.debug_barrier()
+
+    area = (ws32 + my_row * 2 + FLAG_WORDS
+            + ((peer * 2 + parity) * max_rows).to(tl.int64) * ROW_WORDS)
+    seg_start, count = _segment(cumsum_ptr, peer)
+    begin, end = _chunk_bounds(count, chunk, num_chunks)
+    for row0 in range(begin, end, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < end
+        target = tl.load(indices_ptr + seg_start + rows, mask=row_ok, other=0).to(tl.int64)
+        for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
+            words = word0 + tl.arange(0, BLOCK_WORDS)
+            ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
+            values = tl.load(area + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
+                             mask=ok & arrived, other=0, cache_modifier=".cg")
+            tl.store(out32 + target[:, None] * ROW_WORDS + words[None, :], values, mask=ok)
+
+    if ZERO_TAIL:  # output rows [total, num_out_rows), spread over the programs
+        total = tl.load(cumsum_ptr + ep_size - 1)
+        program = peer * num_chunks + chunk
+        tail_begin = tl.maximum(program * tail_rows, total)
+        tail_end = tl.minimum(program * tail_rows + tail_rows, num_out_rows)
+        for row0 in range(tail_begin, tail_end, BLOCK_ROWS):
+            rows = row0 + tl.arange(0, BLOCK_ROWS)
+            row_ok = rows < tail_end
+            for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
+                words = word0 + tl.arange(0, BLOCK_WORDS)
+                ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
+                tl.store(out32 + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
+                         tl.zeros((BLOCK_ROWS, BLOCK_WORDS), tl.int32), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+def _flag_bytes(ep_size: int) -> int:
+    return _round_up(ep_size * MAX_CHUNKS * 8, PAD_BYTES)
+
+
+def transport_workspace_bytes(ep_size: int, max_tokens_per_rank: int, row_bytes: int) -> int:
+    """Bytes per rank of one Triton-transport workspace (one transfer kind, rows of
+    ``row_bytes``): flags ``[R, MAX_CHUNKS]`` int64 and ``[R][2][N]`` rows, rounded up to 128
+    bytes. E.g. R = 8, N = 1024, bf16 rows of H = 7168: 235 MB."""
+    check_row_bytes("row_bytes", row_bytes)
+    return _round_up(_flag_bytes(ep_size) + ep_size * 2 * max_tokens_per_rank * row_bytes,
+                     PAD_BYTES)
+
+
+def transport_chunks(ep_size: int, max_programs: int = TRANSPORT_PROGRAMS) -> int:
+    """C, the programs per peer of both kernels (grid (R, C)); the same on every rank."""
+    return max(1, min(MAX_CHUNKS, max_programs // ep_size))
+
+
+def check_row_bytes(name: str, row_bytes: int) -> None:
+    """Raise ValueError unless rows of ``row_bytes`` bytes are a positive multiple of 16."""
+    if row_bytes <= 0 or row_bytes % ROW_ALIGN_BYTES:
+        raise ValueError(f"{name}: rows of {row_bytes} bytes; the Triton transport moves rows of "
+                         f"a positive multiple of {ROW_ALIGN_BYTES} bytes: pad the hidden size "
+                         f"or use the 'torch' transport")
+
+
+def _tile(row_words: int) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCK_WORDS) of the copy tiles for rows of ``row_words`` words."""
+    block_words = min(triton.next_power_of_2(row_words), TILE_WORDS)
+    return max(1, TILE_WORDS // block_words), block_words
+
+
+def _check_common(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tensor,
+                  call_counter: torch.Tensor, status: Optional[torch.Tensor],
+                  expected_rows: int, what: str) -> int:
+    """Validate one transfer's inputs; returns the row size in bytes."""
+    device = rows.device
+    check_tensor(what, rows, dtype=torch.uint8, ndim=2, device=device, contiguous=True)
+    if rows.shape[0] != expected_rows:
+        raise ValueError(f"{what} has {rows.shape[0]} rows, expected {expected_rows}")
+    row_bytes = rows.shape[1]
+    check_row_bytes(what, row_bytes)
+    check_tensor("workspace", workspace, dtype=(torch.int64, torch.uint64), ndim=2,
+                 device=device)
+    needed = transport_workspace_bytes(plan.ep_size, plan.max_tokens_per_rank, row_bytes) // 8
+    if workspace.shape[0] != plan.ep_size or workspace.shape[1] < needed \
+            or workspace.stride(1) != 1:
+        raise ValueError(f"workspace must be [ep_size={plan.ep_size}, >= {needed}] with unit "
+                         f"column stride (transport_workspace_bytes for rows of {row_bytes} "
+                         f"bytes); got shape {tuple(workspace.shape)} strides "
+                         f"{workspace.stride()}")
+    check_tensor("call_counter", call_counter, dtype=torch.int64, ndim=1, device=device)
+    if call_counter.numel() != 1:
+        raise ValueError(f"call_counter must have 1 entry, got {call_counter.numel()}")
+    if status is not None:
+        check_tensor("status", status, dtype=torch.int64, ndim=1, device=device)
+        if status.numel() != plan.ep_size:
+            raise ValueError(f"status must have ep_size={plan.ep_size} entries, got "
+                             f"{status.numel()}")
+    return row_bytes
+
+
+def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, plan, workspace,
+              call_counter, status, *, zero_tail, timeout_spins, max_programs, check):
+    ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
+    row_words = rows.shape[1] // WORD_BYTES
+    block_rows, block_words = _tile(row_words)
+    chunks = transport_chunks(ep_size, max_programs)
+    own_status = status is None
+    if own_status:
+        status = torch.zeros(ep_size, dtype=torch.int64, device=rows.device)
+    constants = dict(FLAG_WORDS=_flag_bytes(ep_size) // WORD_BYTES, ROW_WORDS=row_words,
+                     MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
+                     num_warps=NUM_WARPS)
+    _send_kernel[(ep_size, chunks)](
+        rows, send_cumsum, send_indices, workspace, workspace.stride(0), call_counter,
+        plan.ep_rank, max_rows, **constants)
+    num_out_rows = out.shape[0]
+    _recv_kernel[(ep_size, chunks)](
+        out, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter, status,
+        plan.ep_rank, ep_size, max_rows, num_out_rows,
+        triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
+        ZERO_TAIL=zero_tail, **constants)
+    call_counter.add_(1)
+    if check:
+        raise_on_timeout(status, plan.ep_rank)
+    return out
+
+
+def triton_dispatch_rows(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tensor, *,
+                         call_counter: torch.Tensor, status: Optional[torch.Tensor] = None,
+                         check: bool = True, timeout_spins: int = TIMEOUT_SPINS,
+                         max_programs: int = TRANSPORT_PROGRAMS) -> torch.Tensor:
+    """Send this rank's rows where the plan says (collective: every rank of the workspace).
+
+    rows:          [T, B] uint8 contiguous (a byte view of any payload), T = plan.num_tokens,
+                   B % 16 == 0.
+    plan:          this rank's :class:`AlltoallPlan`.
+    workspace:     [R, words] uint64/int64, this transfer's inbox rows (module docstring),
+                   ``words >= transport_workspace_bytes(R, N, B) // 8``, zeroed before its
+                   first call; used for dispatches of B-byte rows only.
+    call_counter:  [1] int64 on the rows' device, zeroed with the workspace; the kernels read
+                   the call number from it and it is incremented after them.
+    status:        [R] int64 or None: entry s becomes c + 1 when the wait for source s timed
+                   out in call c. None: a fresh zeroed one (read when ``check``).
+    check:         read the status after the call (one host sync) and raise
+                   :class:`TransportTimeout` naming the missing source ranks. False: no host
+                   sync (CUDA graphs, benchmarks).
+    timeout_spins: bound of each wait; max_programs: bound of the grid R * C (same on all ranks).
+    Returns [N*R, B] uint8: rows by source rank, then the source's send order; rows past
+    total_recv are 0 (what ``torch_dispatch_rows`` and ``flashinfer_dispatch_rows`` return).
+    """
+    _check_common(rows, plan, workspace, call_counter, status, plan.num_tokens, "dispatch rows")
+    out = torch.empty((plan.max_tokens_per_rank * plan.ep_size, rows.shape[1]),
+                      dtype=torch.uint8, device=rows.device)
+    return _transfer(rows, out, plan.send_rank_count_cumsum, plan.send_rank_local_indices,
+                     plan.recv_rank_count_cumsum, plan.recv_rank_local_indices, plan,
+                     workspace, call_counter, status, zero_tail=True,
+                     timeout_spins=timeout_spins, max_programs=max_programs, check=check)
+
+
+def triton_combine_rows(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tensor, *,
+                        call_counter: torch.Tensor, status: Optional[torch.Tensor] = None,
+                        check: bool = True, timeout_spins: int = TIMEOUT_SPINS,
+                        max_programs: int = TRANSPORT_PROGRAMS) -> torch.Tensor:
+    """Return every received row to its source, scattered by slot (collective).
+
+    rows: [N*R, B] uint8 contiguous, this rank's output per received row (the plan's row
+          order; rows past total_recv are not read), B % 16 == 0.
+    The other arguments as in :func:`triton_dispatch_rows` (a separate workspace and counter:
+    combine's transfers are numbered on their own).
+    Returns [T*k, B] uint8: the row returned for (token t, first slot j on the rank that
+    computed it) at ``t*k + j``, zeros elsewhere (the caller sums over k with
+    ``sum_over_slots``), as ``torch_combine_rows`` and ``flashinfer_combine_rows``.
+    """
+    _check_common(rows, plan, workspace, call_counter, status,
+                  plan.max_tokens_per_rank * plan.ep_size, "combine rows")
+    out = torch.zeros((plan.num_tokens * plan.top_k, rows.shape[1]), dtype=torch.uint8,
+                      device=rows.device)
+    return _transfer(rows, out, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices,
+                     plan.send_rank_count_cumsum, plan.backward_recv_rank_local_indices, plan,
+                     workspace, call_counter, status, zero_tail=False,
+                     timeout_spins=timeout_spins, max_programs=max_programs, check=check)
+
+
+def warmup(device, *, ep_size: int, max_tokens_per_rank: int, row_bytes: int, top_k: int = 1,
+           max_programs: int = TRANSPORT_PROGRAMS) -> None:
+    """Compile and load both kernels of dispatch and combine for rows of ``row_bytes`` bytes,
+    without communicating, then synchronize ``device``.
+
+    Runs one dispatch and one combine of an empty plan (no rows) on a private workspace with
+    ``timeout_spins=0``. Needed before R simulated ranks on one GPU call concurrently (loading a
+    module waits for an idle device; see the module docstring); harmless elsewhere.
+    """
+    from kernels.types import UNUSED
+    device = torch.device(device)
+    rows_total = max_tokens_per_rank * ep_size
+    zeros = torch.zeros(ep_size, dtype=torch.int32, device=device)
+    unused = torch.full((rows_total,), UNUSED, dtype=torch.int32, device=device)
+    plan = AlltoallPlan(
+        send_rank_count_cumsum=zeros, send_rank_local_indices=unused,
+        backward_recv_rank_local_indices=unused, recv_rank_count_cumsum=zeros,
+        recv_rank_local_indices=unused,
+        recv_expert_ids=torch.zeros((rows_total, top_k), dtype=torch.int32, device=device),
+        recv_weights=torch.zeros((rows_total, top_k), dtype=torch.float32, device=device),
+        expert_counts=None, ep_rank=0, ep_size=ep_size, max_tokens_per_rank=max_tokens_per_rank,
+        num_tokens=1, top_k=top_k, slot_count=ep_size)
+    words = transport_workspace_bytes(ep_size, max_tokens_per_rank, row_bytes) // 8
+    workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    rows = torch.zeros((1, row_bytes), dtype=torch.uint8, device=device)
+    triton_dispatch_rows(rows, plan, workspace, call_counter=counter, check=False,
+                         timeout_spins=0, max_programs=max_programs)
+    rows = torch.zeros((rows_total, row_bytes), dtype=torch.uint8, device=device)
+    triton_combine_rows(rows, plan, workspace, call_counter=counter, check=False,
+                        timeout_spins=0, max_programs=max_programs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TransportTimeout(RuntimeError):
+    """Some source ranks did not deliver their rows within the spin bound."""
+
+
+def raise_on_timeout(status: torch.Tensor, ep_rank: int) -> None:
+    """Raise :class:`TransportTimeout` naming the source ranks whose rows did not arrive
+    (reads ``status``: a host sync). ``status[s]`` = c + 1 of the last call c that timed out."""
+    values = status.tolist()
+    missing = [source for source, value in enumerate(values) if value]
+    if missing:
+        calls = sorted({values[s] - 1 for s in missing})
+        raise TransportTimeout(
+            f"rank {ep_rank}: source rank(s) {missing} did not deliver their rows within "
+            f"timeout_spins (transfer call(s) {calls}; did every rank run the same sequence of "
+            f"dispatch/combine calls on this workspace?). The workspace is now stale: make a "
+            f"new one on every rank.")

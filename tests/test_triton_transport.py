@@ -1,0 +1,292 @@
+"""The Triton transport (a2a/triton_transport.py): dispatch and combine by direct stores.
+
+CPU (TRITON_INTERPRET=1): the interpreter runs programs, and ranks, one after another, so a
+rank's receive cannot wait for a rank not yet run. Each call is emulated as in
+tests/test_triton_prepare_gpu.py: every rank runs the call once with a tiny spin bound (its
+sends all land, its waits for later ranks time out) and then again with the same call number
+(the counter is set back), now finding every flag set. Results equal
+``reference.simulate_dispatch`` / ``simulate_combine`` exactly (bytes; combine through
+``sum_over_slots``), over several calls (both parities), R = 2 and 4, skewed routing and a
+rank with no tokens.
+
+GPU (marked gpu): R simulated ranks on one GPU (one stream per rank, small grids, warmup
+first), 100 calls with fresh routing; CUDA-graph capture and replay (R = 1).
+"""
+
+import os
+
+import pytest
+import torch
+
+from a2a import triton_transport as tt
+from a2a.alltoall import sum_over_slots
+from kernels import reference as ref
+from tests.test_reference_prepare import random_routing
+from tests.test_triton_prepare_gpu import _interpreter_with_runtime_loops
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="interpreter emulation (TRITON_INTERPRET=1)")
+
+
+def skewed_routing(ep_size, num_tokens, top_k, num_experts, generator):
+    """Ids that favour the first rank's experts (most rows go to rank 0), 10% padding."""
+    bias = torch.zeros(num_experts)
+    bias[: num_experts // ep_size] = 3.0
+    scores = torch.rand(num_tokens, num_experts, generator=generator) + bias
+    ids = scores.topk(top_k, dim=1).indices
+    pad = torch.rand(ids.shape, generator=generator) < 0.1
+    return torch.where(pad, torch.full_like(ids, num_experts), ids).int()
+
+
+def make_plans(tokens, top_k, experts, max_tokens, generator, skewed):
+    ep_size = len(tokens)
+    if skewed:
+        ids = [skewed_routing(ep_size, t, top_k, experts, generator) for t in tokens]
+    else:
+        ids = [random_routing(ep_size, t, top_k, experts, experts, generator) for t in tokens]
+    weights = [torch.rand(t, top_k, generator=generator) for t in tokens]
+    return ref.simulate_alltoall(ids, weights, experts, max_tokens)
+
+
+class Ranks:
+    """R ranks' transport state: one shared [R, words] workspace per transfer kind (row r =
+    rank r's inbox) and a call counter per rank and kind."""
+
+    def __init__(self, ep_size, max_tokens, row_bytes, device):
+        words = tt.transport_workspace_bytes(ep_size, max_tokens, row_bytes) // 8
+        self.workspace = {kind: torch.zeros((ep_size, words), dtype=torch.int64, device=device)
+                          for kind in ("dispatch", "combine")}
+        self.counters = {kind: [torch.zeros(1, dtype=torch.int64, device=device)
+                                for _ in range(ep_size)] for kind in ("dispatch", "combine")}
+
+
+def emulate(kind, rows_per_rank, plans, ranks, max_programs):
+    """One call of ``kind`` on every rank, emulated in two passes (see the module docstring)."""
+    move = tt.triton_dispatch_rows if kind == "dispatch" else tt.triton_combine_rows
+    counters = ranks.counters[kind]
+    start = [int(c) for c in counters]
+    for spins, check in ((2, False), (1000, True)):
+        outs = []
+        for rank, plan in enumerate(plans):
+            counters[rank].fill_(start[rank])
+            outs.append(move(rows_per_rank[rank], plan, ranks.workspace[kind],
+                             call_counter=counters[rank], timeout_spins=spins, check=check,
+                             max_programs=max_programs))
+    assert [int(c) for c in counters] == [s + 1 for s in start]
+    return outs
+
+
+@interpreted
+@pytest.mark.parametrize("tokens,top_k,experts,max_tokens,hidden,skewed,max_programs", [
+    ([5, 0], 2, 4, 6, 8, False, 2),              # a rank with no tokens, C = 1
+    ([7, 9], 4, 8, 9, 24, True, 8),              # skewed, C = 4 chunks per pair
+    ([6, 0, 3, 8], 3, 8, 8, 16, True, 8),        # R = 4, k not a power of two, C = 2
+    ([4, 5, 1, 6], 8, 16, 6, 8, False, 4),       # R = 4, k = 8 (3+ rows summed), C = 1
+])
+def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, experts, max_tokens,
+                                              hidden, skewed, max_programs):
+    _interpreter_with_runtime_loops(monkeypatch)
+    ep_size = len(tokens)
+    generator = torch.Generator().manual_seed(sum(tokens) * 10 + ep_size)
+    row_bytes = hidden * 2  # bf16 rows
+    ranks = Ranks(ep_size, max_tokens, row_bytes, "cpu")
+    for call in range(3):  # three calls: both parities, and parity 0 reused
+        plans = make_plans(tokens, top_k, experts, max_tokens, generator, skewed)
+        xs = [torch.randn(t, hidden, generator=generator).to(torch.bfloat16) for t in tokens]
+        got = emulate("dispatch", [x.view(torch.uint8) for x in xs], plans, ranks, max_programs)
+        want = ref.simulate_dispatch(xs, plans)
+        for rank in range(ep_size):
+            assert got[rank].shape == (max_tokens * ep_size, row_bytes)
+            assert torch.equal(got[rank].view(torch.bfloat16), want[rank]), (call, rank)
+
+        # Combine: rows past total_recv hold NaN, which must not be read.
+        outs = []
+        for rank in range(ep_size):
+            out = torch.randn(max_tokens * ep_size, hidden, generator=generator)
+            out[int(plans[rank].total_recv):] = float("nan")
+            outs.append(out.to(torch.bfloat16))
+        scattered = emulate("combine", [o.view(torch.uint8) for o in outs], plans, ranks,
+                            max_programs)
+        want = ref.simulate_combine(outs, plans)
+        for rank in range(ep_size):
+            assert scattered[rank].shape == (tokens[rank] * top_k, row_bytes)
+            combined = sum_over_slots(scattered[rank].view(torch.bfloat16), tokens[rank], top_k)
+            assert torch.equal(combined, want[rank]), (call, rank)
+            # Invariant: a slot row is nonzero only where the plan scatters a returned row.
+            total = int(plans[rank].total_send)
+            hit = torch.zeros(tokens[rank] * top_k, dtype=torch.bool)
+            hit[plans[rank].backward_recv_rank_local_indices[:total].long()] = True
+            assert not scattered[rank][~hit].any()
+
+
+@interpreted
+def test_nvfp4_payload_moves_bit_exactly_on_cpu(monkeypatch):
+    """Packed codes and scale bytes (rows of 16 bytes) move unchanged."""
+    _interpreter_with_runtime_loops(monkeypatch)
+    tokens, top_k, experts, max_tokens, hidden = [6, 4], 2, 4, 6, 256
+    generator = torch.Generator().manual_seed(9)
+    plans = make_plans(tokens, top_k, experts, max_tokens, generator, False)
+    xs = [torch.randn(t, hidden, generator=generator) for t in tokens]
+    amax = max(float(x.abs().max()) for x in xs)
+    global_scale = torch.tensor([448.0 * 6.0 / amax])
+    quantized = [ref.quantize_nvfp4(x, global_scale) for x in xs]
+    for part in (0, 1):  # packed [T, H/2], scales [T, H/16]
+        rows = [q[part].view(torch.uint8) for q in quantized]
+        ranks = Ranks(2, max_tokens, rows[0].shape[1], "cpu")
+        got = emulate("dispatch", rows, plans, ranks, max_programs=2)
+        want = ref.simulate_dispatch(rows, plans)
+        for rank in range(2):
+            assert torch.equal(got[rank], want[rank]), (part, rank)
+
+
+@interpreted
+def test_missing_rank_times_out_and_is_named(monkeypatch):
+    _interpreter_with_runtime_loops(monkeypatch)
+    generator = torch.Generator().manual_seed(4)
+    plans = make_plans([3, 3], 2, 4, 4, generator, False)
+    ranks = Ranks(2, 4, 16, "cpu")
+    rows = torch.zeros((3, 16), dtype=torch.uint8)
+    status = torch.zeros(2, dtype=torch.int64)
+    tt.triton_dispatch_rows(rows, plans[0], ranks.workspace["dispatch"],
+                            call_counter=ranks.counters["dispatch"][0], status=status,
+                            check=False, timeout_spins=3, max_programs=2)  # rank 1 never comes
+    assert status.tolist() == [0, 1]  # source 1 timed out in call 0 (value call + 1)
+    with pytest.raises(tt.TransportTimeout, match=r"source rank\(s\) \[1\]"):
+        tt.raise_on_timeout(status, 0)
+
+
+def test_bad_inputs_raise():
+    generator = torch.Generator().manual_seed(2)
+    plans = make_plans([3, 2], 2, 4, 4, generator, False)
+    ranks = Ranks(2, 4, 16, "cpu")
+    counter = ranks.counters["dispatch"][0]
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        tt.triton_dispatch_rows(torch.zeros((3, 24), dtype=torch.uint8), plans[0],
+                                ranks.workspace["dispatch"], call_counter=counter)
+    with pytest.raises(ValueError, match="transport_workspace_bytes"):
+        tt.triton_dispatch_rows(torch.zeros((3, 32), dtype=torch.uint8), plans[0],
+                                ranks.workspace["dispatch"], call_counter=counter)
+    with pytest.raises(ValueError, match="expected 3"):
+        tt.triton_dispatch_rows(torch.zeros((2, 16), dtype=torch.uint8), plans[0],
+                                ranks.workspace["dispatch"], call_counter=counter)
+    with pytest.raises(TypeError, match="uint8"):
+        tt.triton_dispatch_rows(torch.zeros((3, 8), dtype=torch.bfloat16), plans[0],
+                                ranks.workspace["dispatch"], call_counter=counter)
+    with pytest.raises(ValueError, match="expected 8"):
+        tt.triton_combine_rows(torch.zeros((3, 16), dtype=torch.uint8), plans[0],
+                               ranks.workspace["combine"], call_counter=counter)
+    assert int(ranks.workspace["dispatch"].abs().sum()) == 0  # nothing was sent
+    assert int(counter) == 0
+
+
+def test_workspace_size():
+    # flags [R, MAX_CHUNKS] int64 padded to 128 bytes, then [R][2][N][B] rows, rounded to 128.
+    assert tt.transport_workspace_bytes(2, 5, 48) == 2 * 32 * 8 + 2 * 2 * 5 * 48 + 64
+    assert tt.transport_workspace_bytes(8, 1024, 14336) % 128 == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tt.transport_workspace_bytes(2, 5, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: simulated ranks on one GPU
+# ---------------------------------------------------------------------------------------------
+
+def simulate_ranks(kind, rows_per_rank, plans, ranks, statuses, max_programs):
+    """Launch every rank's transfer on its own stream (check=False); return after a sync."""
+    move = tt.triton_dispatch_rows if kind == "dispatch" else tt.triton_combine_rows
+    streams = [torch.cuda.Stream() for _ in plans]
+    current = torch.cuda.current_stream()
+    outs = [None] * len(plans)
+    for rank, plan in enumerate(plans):
+        streams[rank].wait_stream(current)  # inputs were made on the current stream
+        with torch.cuda.stream(streams[rank]):
+            outs[rank] = move(rows_per_rank[rank], plan, ranks.workspace[kind],
+                              call_counter=ranks.counters[kind][rank], status=statuses[rank],
+                              check=False, timeout_spins=1 << 24, max_programs=max_programs)
+    torch.cuda.synchronize()
+    return outs
+
+
+GPU_CASES = [  # (R, N, k, E, H, max_programs): R * R * C spinning programs at most 128
+    (2, 300, 8, 16, 512, 8),
+    (4, 128, 8, 32, 7168, 8),
+    (8, 64, 8, 64, 256, 16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep_size,max_tokens,top_k,experts,hidden,max_programs", GPU_CASES)
+def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tokens, top_k,
+                                                        experts, hidden, max_programs):
+    generator = torch.Generator().manual_seed(ep_size * 100 + hidden)
+    row_bytes = hidden * 2
+    tt.warmup(device, ep_size=ep_size, max_tokens_per_rank=max_tokens, row_bytes=row_bytes,
+              top_k=top_k, max_programs=max_programs)
+    ranks = Ranks(ep_size, max_tokens, row_bytes, device)
+    statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    for call in range(100):  # fresh routing every call
+        tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=generator))
+                  if call % 3 == 1 else max_tokens for _ in range(ep_size)]
+        plans = [_plan_to(p, device) for p in
+                 make_plans(tokens, top_k, experts, max_tokens, generator, call % 2 == 1)]
+        xs = [torch.randn(t, hidden, generator=generator).to(torch.bfloat16).to(device)
+              for t in tokens]
+        got = simulate_ranks("dispatch", [x.view(torch.uint8) for x in xs], plans, ranks,
+                             statuses, max_programs)
+        want = ref.simulate_dispatch(xs, plans)
+        outs = [torch.randn(max_tokens * ep_size, hidden, generator=generator)
+                .to(torch.bfloat16).to(device) for _ in range(ep_size)]
+        scattered = simulate_ranks("combine", [o.view(torch.uint8) for o in outs], plans, ranks,
+                                   statuses, max_programs)
+        combined_want = ref.simulate_combine(outs, plans)
+        for rank in range(ep_size):
+            assert int(statuses[rank].max()) == 0, (call, rank, statuses[rank])
+            assert torch.equal(got[rank].view(torch.bfloat16), want[rank]), (call, rank)
+            combined = sum_over_slots(scattered[rank].view(torch.bfloat16), tokens[rank], top_k)
+            # simulate_combine sums with torch on the same device: the same reduction.
+            assert torch.equal(combined, combined_want[rank]), (call, rank)
+
+
+def _plan_to(plan, device):
+    import dataclasses
+    fields = {name: t.to(device) for name, t in plan.tensors().items() if t is not None}
+    return dataclasses.replace(plan, **fields)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay(device):
+    """check=False has no host sync: one rank (R = 1) captures dispatch + combine in a CUDA
+    graph; every replay is a new call (the device counter advances, parities alternate)."""
+    max_tokens, top_k, experts, hidden = 64, 4, 8, 256
+    row_bytes = hidden * 2
+    generator = torch.Generator().manual_seed(6)
+    tt.warmup(device, ep_size=1, max_tokens_per_rank=max_tokens, row_bytes=row_bytes,
+              top_k=top_k)
+    plan = _plan_to(make_plans([max_tokens], top_k, experts, max_tokens, generator, False)[0],
+                    device)
+    ranks = Ranks(1, max_tokens, row_bytes, device)
+    status = torch.zeros(1, dtype=torch.int64, device=device)
+    x = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=device)
+    expert_out = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        recv = tt.triton_dispatch_rows(x.view(torch.uint8), plan, ranks.workspace["dispatch"],
+                                       call_counter=ranks.counters["dispatch"][0],
+                                       status=status, check=False)
+        scattered = tt.triton_combine_rows(expert_out.view(torch.uint8), plan,
+                                           ranks.workspace["combine"],
+                                           call_counter=ranks.counters["combine"][0],
+                                           status=status, check=False)
+    for replay in range(5):
+        x.copy_(torch.randn(max_tokens, hidden, generator=generator).to(torch.bfloat16))
+        expert_out.copy_(torch.randn(max_tokens, hidden, generator=generator)
+                         .to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(recv.view(torch.bfloat16), ref.simulate_dispatch([x], [plan])[0])
+        combined = sum_over_slots(scattered.view(torch.bfloat16), max_tokens, top_k)
+        assert torch.equal(combined, ref.simulate_combine([expert_out], [plan])[0])
+        assert int(ranks.counters["dispatch"][0]) == replay + 1
+    assert status.tolist() == [0]
