@@ -183,7 +183,7 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
         seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
         spins += 1
     arrived = seen >= expected
-    if not arrived:
+    if seen < expected:
         tl.atomic_max(status_ptr + peer, expected)
     tl.debug_barrier()
 

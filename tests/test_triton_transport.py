@@ -21,6 +21,7 @@ import torch
 from a2a import triton_transport as tt
 from a2a.alltoall import sum_over_slots
 from kernels import reference as ref
+from tests.support import assert_close
 from tests.test_reference_prepare import random_routing
 from tests.test_triton_prepare_gpu import _interpreter_with_runtime_loops
 
@@ -46,6 +47,27 @@ def make_plans(tokens, top_k, experts, max_tokens, generator, skewed):
         ids = [random_routing(ep_size, t, top_k, experts, experts, generator) for t in tokens]
     weights = [torch.rand(t, top_k, generator=generator) for t in tokens]
     return ref.simulate_alltoall(ids, weights, experts, max_tokens)
+
+
+def reference_scattered(expert_out_per_rank, plans):
+    """What every transport's combine returns before the reduction: source r's [T_r*k, H]
+    zeros with the row returned for each send position at its backward index (the scatter
+    step of ``reference.simulate_combine``)."""
+    scattered = []
+    for source, plan in enumerate(plans):
+        rows = torch.zeros((plan.num_tokens * plan.top_k, expert_out_per_rank[0].shape[1]),
+                           dtype=expert_out_per_rank[0].dtype,
+                           device=expert_out_per_rank[0].device)
+        send_start = 0
+        for receiver, receiver_plan in enumerate(plans):
+            send_end = int(plan.send_rank_count_cumsum[receiver])
+            recv_cumsum = receiver_plan.recv_rank_count_cumsum
+            recv_start = int(recv_cumsum[source - 1]) if source else 0
+            slots = plan.backward_recv_rank_local_indices[send_start:send_end].long()
+            rows[slots] = expert_out_per_rank[receiver][recv_start:recv_start + len(slots)]
+            send_start = send_end
+        scattered.append(rows)
+    return scattered
 
 
 class Ranks:
@@ -108,8 +130,10 @@ def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, expert
         scattered = emulate("combine", [o.view(torch.uint8) for o in outs], plans, ranks,
                             max_programs)
         want = ref.simulate_combine(outs, plans)
+        want_scattered = reference_scattered(outs, plans)
         for rank in range(ep_size):
             assert scattered[rank].shape == (tokens[rank] * top_k, row_bytes)
+            assert torch.equal(scattered[rank], want_scattered[rank].view(torch.uint8))
             combined = sum_over_slots(scattered[rank].view(torch.bfloat16), tokens[rank], top_k)
             assert torch.equal(combined, want[rank]), (call, rank)
             # Invariant: a slot row is nonzero only where the plan scatters a returned row.
@@ -239,12 +263,15 @@ def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tok
         scattered = simulate_ranks("combine", [o.view(torch.uint8) for o in outs], plans, ranks,
                                    statuses, max_programs)
         combined_want = ref.simulate_combine(outs, plans)
+        want_scattered = reference_scattered(outs, plans)
         for rank in range(ep_size):
             assert int(statuses[rank].max()) == 0, (call, rank, statuses[rank])
             assert torch.equal(got[rank].view(torch.bfloat16), want[rank]), (call, rank)
+            # The scattered rows equal the other transports' bit for bit, so the combine
+            # (sum_over_slots, shared by all transports) is bit-identical too.
+            assert torch.equal(scattered[rank], want_scattered[rank].view(torch.uint8))
             combined = sum_over_slots(scattered[rank].view(torch.bfloat16), tokens[rank], top_k)
-            # simulate_combine sums with torch on the same device: the same reduction.
-            assert torch.equal(combined, combined_want[rank]), (call, rank)
+            assert_close(combined, combined_want[rank])
 
 
 def _plan_to(plan, device):
@@ -286,7 +313,7 @@ def test_cuda_graph_capture_and_replay(device):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(recv.view(torch.bfloat16), ref.simulate_dispatch([x], [plan])[0])
-        combined = sum_over_slots(scattered.view(torch.bfloat16), max_tokens, top_k)
-        assert torch.equal(combined, ref.simulate_combine([expert_out], [plan])[0])
+        assert torch.equal(scattered, reference_scattered([expert_out], [plan])[0]
+                           .view(torch.uint8))
         assert int(ranks.counters["dispatch"][0]) == replay + 1
     assert status.tolist() == [0]
