@@ -9,6 +9,8 @@ construction through ``a2a.backends.resolve``:
               ``"torch"``       ``kernels.reference.local_send_plan`` + torch.distributed
                                 collectives (gloo on CPU, NCCL on GPU).
 ``transport`` moving rows (dispatch) and returning them (combine):
+              ``"triton"``      ``a2a.triton_transport``: direct stores into the peers'
+                                MNNVL inboxes (GPU), no host sync;
               ``"flashinfer"``  FlashInfer's ``moe_comm`` over an MNNVL FIFO workspace;
               ``"torch"``       ``all_to_all_single`` with the plan's counts.
 and, for ``dispatch(quant=...)``, the ``quantize`` stage. Any prepare works with any transport:
@@ -19,7 +21,10 @@ Combine's reduction over k is defined once, here: the returned rows are scattere
 dtype, so the two transports give bit-identical results.
 
 Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, and freed by
-:meth:`MoEAlltoall.close`.
+:meth:`MoEAlltoall.close`. The Triton transport makes one per transfer kind and row size
+(dispatch of bf16 rows, of nvfp4 codes, of nvfp4 scales, combine of bf16 rows, ...), each with
+its own device-side call counter; its bounded waits record timeouts in a status buffer that
+:meth:`MoEAlltoall.check_transport` (and every ``prepare(check_inputs=True)``) reads.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ class MoEAlltoall:
                 f"hidden_size, slot_count, backends): {described}. Construct it with the same "
                 "arguments (and MOE_A2A_BACKENDS) on every rank")
         self._workspaces: dict = {}
+        self._transport_counters: dict = {}
+        self._transport_status: Optional[torch.Tensor] = None
         self._prepare_calls = 0
         self._closed = False
 
@@ -189,6 +196,42 @@ class MoEAlltoall:
             self._workspaces[kind] = workspace.MnnvlWorkspace(self.group, size, self.device)
         return self._workspaces[kind].tensor
 
+    def _transport_workspace(self, kind: str, row_bytes: int):
+        """(workspace [R, words] uint64, call counter [1] int64) of the Triton transport for
+        ``kind`` ("dispatch" or "combine") rows of ``row_bytes`` bytes, made on first use
+        (collective: every rank makes the same ones in the same order)."""
+        key = f"triton_{kind}:{row_bytes}"
+        if key not in self._workspaces:
+            from a2a import workspace
+            size = workspace.triton_transport_workspace_bytes(
+                self.ep_size, self.max_tokens_per_rank, row_bytes)
+            self._workspaces[key] = workspace.MnnvlWorkspace(self.group, size, self.device)
+            self._transport_counters[key] = torch.zeros(1, dtype=torch.int64,
+                                                        device=self.device)
+            if self._transport_status is None:
+                self._transport_status = torch.zeros(self.ep_size, dtype=torch.int64,
+                                                     device=self.device)
+        return self._workspaces[key].tensor, self._transport_counters[key]
+
+    def check_transport(self) -> None:
+        """Raise ``a2a.triton_transport.TransportTimeout`` naming the source ranks when a wait
+        of the Triton transport timed out since construction (reads a status buffer: a host
+        sync). Also done by every ``prepare(check_inputs=True)`` (raising on every rank there).
+        A no-op for the other transports."""
+        error = self._transport_timeout()
+        if error is not None:
+            raise error
+
+    def _transport_timeout(self) -> Optional[Exception]:
+        if self._transport_status is None:
+            return None
+        from a2a.triton_transport import TransportTimeout, raise_on_timeout
+        try:
+            raise_on_timeout(self._transport_status, self.ep_rank)
+        except TransportTimeout as exc:
+            return exc
+        return None
+
     def close(self) -> None:
         """Free the workspaces (collective when it holds any); the object is unusable after.
         Closing twice is a no-op."""
@@ -227,8 +270,9 @@ class MoEAlltoall:
         check_inputs: range-check the ids (reads them: a host sync) and agree with the other
                       ranks that every input is valid (one tiny all_reduce), so that a bad input
                       raises on every rank before anything is sent; the Triton prepare also
-                      reads its timeout status and raises naming missing ranks. False skips
-                      all of it (for benchmarks and CUDA graphs); a bad id then gives a wrong
+                      reads its timeout status and raises naming missing ranks, and so does a
+                      Triton transport (timeouts of earlier dispatch/combine calls, see
+                      :meth:`check_transport`). False skips all of it (for benchmarks and CUDA graphs); a bad id then gives a wrong
                       plan or a hang.
         Returns this rank's :class:`AlltoallPlan` (expert_counts [R, S] filled).
         """
@@ -238,6 +282,8 @@ class MoEAlltoall:
             topk_ids = self._checked_routing(topk_ids, topk_weights, sanitize, check_inputs)
         except (ValueError, TypeError) as exc:
             error = exc
+        if check_inputs and error is None:
+            error = self._transport_timeout()  # raised on every rank by _agree
         if check_inputs:
             self._agree(error, "prepare")
         elif error is not None:
@@ -329,7 +375,9 @@ class MoEAlltoall:
                              f"MoEAlltoall on {self.device}")
 
     def _dispatch_rows(self, rows: torch.Tensor, plan: AlltoallPlan, name: str) -> torch.Tensor:
-        if self.backends["transport"] == "flashinfer":
+        if self.backends["transport"] == "triton":
+            moved = self._triton_transfer("dispatch", _as_bytes(rows), plan, name)
+        elif self.backends["transport"] == "flashinfer":
             from a2a.flashinfer_comm import check_row_bytes, flashinfer_dispatch_rows
             check_row_bytes(name, rows)
             moved = flashinfer_dispatch_rows(_as_bytes(rows), plan, self._workspace("comm"))
@@ -337,6 +385,17 @@ class MoEAlltoall:
             from a2a.torch_comm import torch_dispatch_rows
             moved = torch_dispatch_rows(_as_bytes(rows), plan, self.group)
         return moved.view(rows.dtype)
+
+    def _triton_transfer(self, kind: str, rows: torch.Tensor, plan: AlltoallPlan,
+                         name: str) -> torch.Tensor:
+        """One Triton-transport dispatch or combine of byte rows (no host sync)."""
+        from a2a import triton_transport
+        triton_transport.check_row_bytes(name, rows.shape[1])
+        workspace, counter = self._transport_workspace(kind, rows.shape[1])
+        move = (triton_transport.triton_dispatch_rows if kind == "dispatch"
+                else triton_transport.triton_combine_rows)
+        return move(rows, plan, workspace, call_counter=counter, status=self._transport_status,
+                    check=False)
 
     def dispatch(self, x: torch.Tensor, plan: AlltoallPlan, *, quant: Optional[str] = None,
                  global_scale: Optional[torch.Tensor] = None):
@@ -400,7 +459,10 @@ class MoEAlltoall:
         if tuple(expert_out.shape) != (rows, self.hidden_size):
             raise ValueError(f"expert_out has shape {tuple(expert_out.shape)}, expected "
                              f"{(rows, self.hidden_size)} (dispatch's rows, N*R)")
-        if self.backends["transport"] == "flashinfer":
+        if self.backends["transport"] == "triton":
+            scattered = self._triton_transfer("combine", _as_bytes(expert_out), plan,
+                                              "expert_out")
+        elif self.backends["transport"] == "flashinfer":
             from a2a.flashinfer_comm import check_row_bytes, flashinfer_combine_rows
             check_row_bytes("expert_out", expert_out)
             scattered = flashinfer_combine_rows(_as_bytes(expert_out), plan,

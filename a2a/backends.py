@@ -106,7 +106,11 @@ def _triton_cross_rank(device: torch.device, **_) -> Optional[str]:
 
 
 def _triton_transport(device: torch.device, **_) -> Optional[str]:
-    return "the Triton transport (direct NVLink stores) is not written yet"
+    if device.type == "cuda":
+        return None
+    return ("the Triton transport stores rows into peer-mapped (MNNVL) memory and spins on flags "
+            "the other ranks set concurrently: it needs a CUDA device, even under "
+            f"TRITON_INTERPRET=1; got a tensor on {device}")
 
 
 def _torch(device: torch.device, **_) -> Optional[str]:

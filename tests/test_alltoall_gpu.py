@@ -3,7 +3,7 @@
 Run on a 2-GPU host: ``pytest -q tests/test_alltoall_gpu.py`` (each test spawns 2 ranks; the
 first use of FlashInfer's alltoall module JIT-builds it once).
 
-- every combination prepare {triton, flashinfer, torch} x transport {flashinfer, torch} x
+- every combination prepare {triton, flashinfer, torch} x transport {triton, flashinfer, torch} x
   payload {bf16, nvfp4 (Triton quantizer)} gives bit-identical combine results and the same
   received payload (per source segment, sorted by the source's token id: FlashInfer's send
   order comes from atomics);
@@ -14,7 +14,10 @@ first use of FlashInfer's alltoall module JIT-builds it once).
   ``..._combine`` (via ``to_flashinfer_info``); FlashInfer's plan through the torch transport;
 - the Triton plan is bit-identical over 100 runs;
 - MoEAlltoall (and its three MNNVL workspaces) is made, used and closed 20 times without
-  leaking device memory, address reservations or file descriptors.
+  leaking device memory, address reservations or file descriptors;
+- the Triton transport: 1,000 dispatch/combine iterations with fresh routing (bf16, and nvfp4
+  every 10th), bit-identical to the torch transport on the same plan, no timeout; dispatch and
+  combine captured in a CUDA graph and replayed with fresh inputs.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ WORLD_SIZE = 2
 NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN = 32, 8, 64, 256
 TOKENS = (64, 37)                    # a full rank and an awkward count
 PREPARES = ("triton", "flashinfer", "torch")
-TRANSPORTS = ("flashinfer", "torch")
+TRANSPORTS = ("triton", "flashinfer", "torch")
 
 
 def _cpu_plan(plan):
@@ -298,3 +301,73 @@ def _limits_body(rank: int, world_size: int) -> None:
 
 def test_flashinfer_limits_and_bad_ids_raise_everywhere():
     run_distributed(WORLD_SIZE, _limits_body, cuda=True)
+
+
+def _triton_transport_soak_body(rank: int, world_size: int) -> None:
+    device = torch.device(torch.accelerator.current_accelerator().type, rank)
+    triton = MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
+                         backends={"prepare": "triton", "transport": "triton",
+                                   "quantize": "triton"})
+    torch_ref = MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
+                            backends={"prepare": "torch", "transport": "torch",
+                                      "quantize": "triton"})
+    mismatches = []
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(1000):
+        tokens = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=generator))
+        ids, weights = make_routing(rank, tokens, NUM_EXPERTS, TOP_K, seed=step,
+                                    hot_rank=step % 3 - 1, padding=step % 2 == 1)
+        ids, weights = ids.to(device), weights.to(device)
+        x = torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16).to(device)
+        plan = triton.prepare(ids, weights, check_inputs=step % 50 == 0)  # reads the status
+        recv, recv_ref = triton.dispatch(x, plan), torch_ref.dispatch(x, plan)
+        expert_out = local_experts(recv_ref, plan)
+        out, out_ref = triton.combine(expert_out, plan), torch_ref.combine(expert_out, plan)
+        same = torch.equal(recv, recv_ref) and torch.equal(out, out_ref)
+        if step % 10 == 0:
+            global_scale = torch.tensor([448.0 * 6.0 / 8.0], device=device)
+            got = triton.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
+            want = torch_ref.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
+            same = same and all(torch.equal(a, b) for a, b in zip(got, want))
+        if not same:
+            mismatches.append(step)
+    triton.check_transport()
+    assert mismatches == [], mismatches
+    triton.close()
+    torch_ref.close()
+
+
+def test_triton_transport_soak_1000_iterations():
+    run_distributed(WORLD_SIZE, _triton_transport_soak_body, cuda=True)
+
+
+def _triton_transport_graph_body(rank: int, world_size: int) -> None:
+    device = torch.device(torch.accelerator.current_accelerator().type, rank)
+    with MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
+                     backends={"prepare": "triton", "transport": "triton"}) as a2a, \
+            MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
+                        backends={"prepare": "torch", "transport": "torch"}) as torch_ref:
+        ids, weights = make_routing(rank, TOKENS[rank], NUM_EXPERTS, TOP_K, seed=21)
+        plan = a2a.prepare(ids.to(device), weights.to(device))
+        x = torch.zeros(TOKENS[rank], HIDDEN, dtype=torch.bfloat16, device=device)
+        a2a.combine(local_experts(a2a.dispatch(x, plan), plan), plan)  # workspaces, compiles
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            recv = a2a.dispatch(x, plan)
+            out = a2a.combine(local_experts(recv, plan), plan)
+        generator = torch.Generator().manual_seed(rank)
+        for replay in range(10):  # each replay is a new call on both ranks (device counters)
+            x.copy_(torch.randn(TOKENS[rank], HIDDEN, generator=generator).to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            want = torch_ref.dispatch(x, plan)
+            assert torch.equal(recv, want), replay
+            assert torch.equal(out, torch_ref.combine(local_experts(want, plan), plan)), replay
+        a2a.check_transport()
+
+
+def test_triton_transport_in_a_cuda_graph():
+    run_distributed(WORLD_SIZE, _triton_transport_graph_body, cuda=True)

@@ -317,3 +317,10 @@ def test_cuda_graph_capture_and_replay(device):
                            .view(torch.uint8))
         assert int(ranks.counters["dispatch"][0]) == replay + 1
     assert status.tolist() == [0]
+
+
+def test_switch_rule_needs_a_cuda_device():
+    from a2a.backends import BackendUnavailable, resolve
+    assert resolve("transport", "triton", torch.device("cuda", 0)) == "triton"
+    with pytest.raises(BackendUnavailable, match="peer-mapped .* needs a CUDA device"):
+        resolve("transport", "triton", torch.device("cpu"))
