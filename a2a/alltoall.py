@@ -18,7 +18,7 @@ the plan is the contract (design.md, "prepare contract").
 
 Combine's reduction over k is defined once, here: the returned rows are scattered into zeros
 ``[T*k, H]`` (FlashInfer's layout) and summed over k in float32, rounded once to the payload
-dtype, so the two transports give bit-identical results.
+dtype, so the transports give bit-identical results.
 
 Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, and freed by
 :meth:`MoEAlltoall.close`. The Triton transport makes one per transfer kind and row size
