@@ -43,9 +43,8 @@ def check_expert_ids(name: str, ids: torch.Tensor, num_ids: int, *,
     low_seen, high_seen = int(ids.min()), int(ids.max())
     if low_seen < 0 or high_seen > high:
         bad = low_seen if low_seen < 0 else high_seen
-        allowed = f"[0, {num_ids}]" + (f" ({num_ids} = padding)" if allow_padding else "")
-        if not allow_padding:
-            allowed = f"[0, {num_ids})"
+        allowed = (f"[0, {num_ids}] ({num_ids} = padding)" if allow_padding
+                   else f"[0, {num_ids})")
         raise ValueError(f"{name} holds expert id {bad} outside {allowed}")
 
 
