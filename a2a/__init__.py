@@ -9,5 +9,5 @@ from a2a.backends import (BACKENDS, STAGES, BackendUnavailable, available_backen
 from a2a.alltoall import MoEAlltoall
 from kernels.types import AlltoallPlan
 
-__all__ = ["AlltoallPlan", "MoEAlltoall", "BACKENDS", "STAGES", "BackendUnavailable", "available_backends", "default_backends",
-           "resolve", "why_unavailable"]
+__all__ = ["AlltoallPlan", "MoEAlltoall", "BACKENDS", "STAGES", "BackendUnavailable",
+           "available_backends", "default_backends", "resolve", "why_unavailable"]

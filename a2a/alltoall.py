@@ -272,8 +272,8 @@ class MoEAlltoall:
                       raises on every rank before anything is sent; the Triton prepare also
                       reads its timeout status and raises naming missing ranks, and so does a
                       Triton transport (timeouts of earlier dispatch/combine calls, see
-                      :meth:`check_transport`). False skips all of it (for benchmarks and CUDA graphs); a bad id then gives a wrong
-                      plan or a hang.
+                      :meth:`check_transport`). False skips all of it (for benchmarks and CUDA
+                      graphs); a bad id then gives a wrong plan or a hang.
         Returns this rank's :class:`AlltoallPlan` (expert_counts [R, S] filled).
         """
         self._check_open()

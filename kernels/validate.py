@@ -56,4 +56,5 @@ def check_top_k(top_k: int, num_experts: int, *, limit: Optional[int] = None,
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} must be <= the number of experts ({num_experts})")
     if limit is not None and top_k > limit:
-        raise ValueError(f"top_k={top_k} must be <= {limit}{' (' + limit_reason + ')' if limit_reason else ''}")
+        reason = f" ({limit_reason})" if limit_reason else ""
+        raise ValueError(f"top_k={top_k} must be <= {limit}{reason}")
