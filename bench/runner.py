@@ -204,9 +204,10 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
         if stage.oracle is not None and path.backend == stage.oracle:
             note = "oracle"  # its output is ``ref``, computed once
         else:
-            stage.check(_call_once(path), ref, inputs, shape)
+            check = path.check or stage.check
+            note = check(_call_once(path), ref, inputs, shape) or ""
             if path.checked is not None:  # the same op with its input checks on
-                stage.check(_call_once(path, path.checked), ref, inputs, shape)
+                check(_call_once(path, path.checked), ref, inputs, shape)
     except AssertionError as error:
         ok, note = False, f"mismatch: {_brief(error)}"
     except Exception as error:

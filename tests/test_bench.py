@@ -215,27 +215,37 @@ def test_targets_pass_and_fail():
     assert "target" not in routing[1]
 
 
-def test_target_shapes_are_in_the_default_and_full_sweeps():
-    from bench.stages import DEFAULT_SWEEP, FULL_SWEEP, PREPARE
+def test_target_shapes_are_in_the_default_and_deepseek_sweeps():
+    from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, PREPARE
     from bench.targets import TARGETS
     stages = {"quantize": QUANTIZE, "routing": ROUTING, "permute": PERMUTE, "prepare": PREPARE}
-    for sweep in (DEFAULT_SWEEP, FULL_SWEEP):
+    for sweep in (DEFAULT_SWEEP, DEEPSEEK_SWEEP):
         for target in TARGETS:
             shapes = stages[target.stage].shapes(sweep)
             assert any(all(s.get(k) == v for k, v in target.match.items()) for s in shapes), \
                 target.text
 
 
-def test_default_sweep_is_small_enough_for_one_gpu_call():
-    # About 1 s per shape on an H200 (compiles and torch oracles included): ~150 shapes fit in
-    # the 400 s budget; the full grid is ~4x larger and is run a few stages per call.
-    from bench.stages import DEFAULT_SWEEP, FULL_SWEEP, SINGLE_DEVICE_STAGES
+def test_default_sweep_is_the_issue_grid_and_deepseek_fits_one_gpu_call():
+    # The issue's grid, written out again here (not read from the code under test).
+    from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, SINGLE_DEVICE_STAGES
     from bench.transport import DISTRIBUTED_STAGES
+    assert DEFAULT_SWEEP.tokens == (1, 16, 128, 512, 2048, 8192)
+    assert set(DEFAULT_SWEEP.hidden) == {4096, 7168}
+    assert set(DEFAULT_SWEEP.experts) == {64, 256}
+    assert set(DEFAULT_SWEEP.top_k) == {4, 8}
+    assert set(DEFAULT_SWEEP.routing) == {"uniform", "skewed"}
+    assert parse_args([]).sweep == "default"
+    # About 1 s per shape on an H200 (compiles and torch oracles included): ~150 shapes fit in
+    # the 400 s budget; the default grid is ~4x larger and stops at --budget.
     count = lambda sweep, stages: sum(len(s.shapes(sweep)) for s in stages)  # noqa: E731
-    assert count(DEFAULT_SWEEP, SINGLE_DEVICE_STAGES) <= 110
-    assert count(DEFAULT_SWEEP, DISTRIBUTED_STAGES) <= 60
-    assert count(FULL_SWEEP, SINGLE_DEVICE_STAGES) >= 3 * count(DEFAULT_SWEEP,
-                                                                SINGLE_DEVICE_STAGES)
+    assert count(DEEPSEEK_SWEEP, SINGLE_DEVICE_STAGES) <= 110
+    assert count(DEEPSEEK_SWEEP, DISTRIBUTED_STAGES) <= 80
+    assert count(DEFAULT_SWEEP, SINGLE_DEVICE_STAGES) >= 3 * count(DEEPSEEK_SWEEP,
+                                                                   SINGLE_DEVICE_STAGES)
+    # 6 T x 2 H x 2 E x 2 k x 2 routings = 96 grid points per dispatch variant.
+    dispatch = next(s for s in DISTRIBUTED_STAGES if s.name == "dispatch")
+    assert len(dispatch.shapes(DEFAULT_SWEEP)) == 96 * 2
 
 
 def test_budget_skips_the_shapes_left_on_every_rank():
@@ -282,12 +292,13 @@ def test_one_plot_file(tmp_path):
 
 def test_cli_sweeps_tokens_and_budget():
     from bench.cli import deadline, pick_sweep
-    from bench.stages import CPU_QUICK_SWEEP, FULL_SWEEP, QUICK_SWEEP
+    from bench.stages import CPU_QUICK_SWEEP, DEEPSEEK_SWEEP, DEFAULT_SWEEP, QUICK_SWEEP
     args = parse_args(["--quick", "--tokens", "16,8192"])
     assert pick_sweep(args, on_gpu=True).tokens == (16, 8192)
     assert pick_sweep(args, on_gpu=True).hidden == QUICK_SWEEP.hidden
     assert pick_sweep(args, on_gpu=False).hidden == CPU_QUICK_SWEEP.hidden
-    assert pick_sweep(parse_args(["--sweep", "full"]), on_gpu=True) == FULL_SWEEP
+    assert pick_sweep(parse_args(["--sweep", "deepseek"]), on_gpu=True) == DEEPSEEK_SWEEP
+    assert pick_sweep(parse_args([]), on_gpu=True) == DEFAULT_SWEEP
     assert deadline(parse_args([]), on_gpu=False) is None
     assert deadline(parse_args(["--budget", "0"]), on_gpu=True) is None
     left = deadline(parse_args([]), on_gpu=True) - time.time()

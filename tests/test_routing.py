@@ -13,6 +13,7 @@ import torch
 from a2a.backends import BackendUnavailable
 from a2a.routing import _check_flashinfer_limits, _route_topk_flashinfer
 from a2a.routing import route_topk as route_topk_stage
+from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
 from kernels import reference, routing
 from kernels.reference import ROUTING_METHODS
 from kernels.routing import MAX_EXPERTS
@@ -246,35 +247,8 @@ def _flashinfer_routing_or_skip(device):
         pytest.skip(f"fused_topk_deepseek needs SM89+, this GPU is SM{major}{minor}")
 
 
-# FlashInfer's sigmoid is 0.5 * tanh(0.5 x) + 0.5, a few ulp (ulp(1.0) = 1.2e-7) from our
-# 1 / (1 + exp(-x)). A row may therefore pick differently only where two candidates (the k-th
-# and (k+1)-th biased scores inside the kept groups, or the topk_groups-th and next group
-# scores) lie within NEAR_TIE of each other; such rows must stay rare (MAX_NEAR_TIE_ROWS).
-NEAR_TIE = 1e-5
-MAX_NEAR_TIE_ROWS = 0.001
-
-
-def _near_ties(logits, bias, top_k, num_groups, topk_groups):
-    """Two [T] masks: rows with a near-tie at a selection boundary (the k-th vs (k+1)-th biased
-    score inside the kept groups, or the topk_groups-th vs next group score), where the chosen
-    set may differ; and rows with a near-tie anywhere among the k+1 best, where the order
-    inside the set may differ too."""
-    biased = torch.sigmoid(logits.float()) + bias
-    num_tokens, num_experts = biased.shape
-    boundary = torch.zeros(num_tokens, dtype=torch.bool, device=biased.device)
-    if topk_groups < num_groups:
-        group_scores = biased.view(num_tokens, num_groups, num_experts // num_groups).topk(
-            2, dim=2).values.sum(dim=2)
-        ranked = group_scores.sort(dim=1, descending=True).values
-        boundary |= (ranked[:, topk_groups - 1] - ranked[:, topk_groups]).abs() < NEAR_TIE
-        kept = torch.zeros_like(group_scores, dtype=torch.bool)
-        kept.scatter_(1, group_scores.topk(topk_groups, dim=1).indices, True)
-        biased = biased.masked_fill(~kept.repeat_interleave(num_experts // num_groups, 1),
-                                    float("-inf"))
-    ranked = biased.sort(dim=1, descending=True).values[:, :top_k + 1]
-    gaps = (ranked[:, :-1] - ranked[:, 1:]).abs() < NEAR_TIE
-    boundary |= gaps[:, top_k - 1]
-    return boundary, boundary | gaps.any(dim=1)
+# FlashInfer's sigmoid differs from ours by a few ulp: rows may differ only on near-ties
+# (bench/near_ties.py), and rarely.
 
 
 @pytest.mark.gpu
@@ -302,7 +276,7 @@ def test_flashinfer_deepseek_matches_triton_except_near_ties(device, num_tokens,
     fi_sorted, fi_order = fi_ids.sort(dim=1)
     our_sorted, our_order = ids.sort(dim=1)
     differ = (fi_sorted != our_sorted).any(dim=1)
-    near, near_inside = _near_ties(logits, bias, top_k, num_groups, topk_groups)
+    near, near_inside = near_ties(logits, bias, top_k, num_groups, topk_groups)
     unexplained = (differ & ~near).nonzero().flatten().tolist()
     assert not unexplained, f"rows {unexplained[:5]} differ without a near-tie"
     assert int(differ.sum()) <= MAX_NEAR_TIE_ROWS * max(num_tokens, 1)
