@@ -185,13 +185,14 @@ def make_path(backend: str, factory: Callable[[], Callable[[], Any]], **kwargs) 
     try:
         return Path(backend, run=factory(), **kwargs)
     except Unavailable as why:
-        return Path(backend, reason=str(why))
+        return Path(backend, reason=str(why), **kwargs)
     except Exception as error:  # the switch refused, or building the path failed
         text = str(error).strip().splitlines()
         text = text[0] if text else ""
         if type(error).__name__ == "BackendUnavailable":
-            return Path(backend, reason=f"not available: {text}")
-        return Path(backend, reason=f"error: setup failed: {type(error).__name__}: {text}"[:300])
+            return Path(backend, reason=f"not available: {text}", **kwargs)
+        return Path(backend, reason=f"error: setup failed: {type(error).__name__}: {text}"[:300],
+                    **kwargs)
 
 
 def stage_backend(stage: str, backend: str, device: torch.device, **context) -> None:

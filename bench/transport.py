@@ -1,5 +1,6 @@
 """The stages that need one process per GPU: prepare across ranks, dispatch, combine, and the
-whole layer (route, prepare, dispatch, identity experts through the permutation, combine).
+whole layer (route, prepare, quantize, dispatch, identity experts through the permutation,
+combine; payload bf16, or NVFP4 codes + scales decoded on arrival).
 
 Every rank builds every rank's inputs from the same seeds, so that each can compute the oracle
 (``kernels.reference.simulate_alltoall / simulate_dispatch / simulate_combine``) for itself and
@@ -16,7 +17,8 @@ Bytes (per rank, averaged over the ranks; ``row`` = bytes of one payload row):
   returned to this rank * 2H * 2 + the output T * 2H.
 - prepare: remote = rows sent to other ranks * k * 8 (ids and weights); local = T*k*8 read +
   N*R*k*8 written (received ids and weights).
-- layer: dispatch + combine bytes (routing, prepare and the expert permutation not counted).
+- layer: dispatch + combine bytes (routing, prepare, quantize, dequantize and the expert
+  permutation not counted; nvfp4 rows are H/2 + H/16 bytes).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _row_counts(inputs: dict) -> tuple[float, float]:
 
 def _payload_row_bytes(shape: dict) -> int:
     h = shape["hidden"]
-    return h // 2 + h // 16 if shape.get("quant") == "nvfp4" else 2 * h
+    nvfp4 = "nvfp4" in (shape.get("quant"), shape.get("payload"))
+    return h // 2 + h // 16 if nvfp4 else 2 * h
 
 
 def _dispatch_traffic(shape: dict, inputs: Optional[dict]) -> dict:
@@ -112,17 +115,18 @@ def _segments(cumsum: torch.Tensor) -> list[tuple[int, int]]:
 PREPARE_HIDDEN = 16
 
 
-def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str):
+def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str, quantize: str = "triton"):
     """An ``a2a.MoEAlltoall`` for this shape (collective), closed after the shape."""
     cls = load("a2a", "MoEAlltoall")
     why = load("a2a.backends", "why_unavailable")
-    for stage, backend in (("prepare", prepare), ("transport", transport)):
+    for stage, backend in (("prepare", prepare), ("transport", transport),
+                           ("quantize", quantize)):
         reason = why(stage, backend, ctx.device)
         if reason is not None:
             raise Unavailable(f"not available: {reason}")
     instance = cls(ctx.group, shape["experts"], shape["top_k"], shape["tokens"],
                    shape.get("hidden", PREPARE_HIDDEN),
-                   backends={"prepare": prepare, "transport": transport})
+                   backends={"prepare": prepare, "transport": transport, "quantize": quantize})
     ctx.shared.setdefault("closers", []).append(instance.close)
     return instance
 
@@ -377,30 +381,135 @@ PREPARE_RANKS = Stage(
 
 
 # ---------------------------------------------------------------------------------------------
-# The layer: route, prepare, dispatch, identity experts via the permutation, combine
+# The layer: route, prepare, quantize, dispatch, identity experts via the permutation, combine
 # ---------------------------------------------------------------------------------------------
 
+# Rounds of redrawing the logit rows that have a DeepSeek-V3 near-tie (bench/near_ties.py), so
+# that FlashInfer's routing (sigmoid via tanh) must pick the oracle's ids, in the oracle's order,
+# and every path's plan is the oracle's. About 0.1% of rows have one; 8 rounds leave none.
+NEAR_TIE_REDRAWS = 8
+
+
+def _layer_logits(shape: dict, device: torch.device, rank: int,
+                  bias: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s router logits [T, E] fp32 (skewed like the routing stage's), its
+    near-tie rows redrawn."""
+    from bench.near_ties import near_ties
+    from bench.stages import SKEW_EXPONENT
+    tokens, experts = shape["tokens"], shape["experts"]
+
+    def draw(salt):
+        logits = torch.randn(tokens, experts, generator=generator(device, salt), device=device)
+        if shape["routing"] == "skewed":
+            popularity = torch.arange(1, experts + 1, device=device, dtype=torch.float32)
+            logits -= SKEW_EXPONENT * torch.log(popularity)
+        return logits
+
+    logits = draw(300 + rank)
+    for round_ in range(NEAR_TIE_REDRAWS):
+        _, tied = near_ties(logits, bias, shape["top_k"], LAYER_ROUTING["num_groups"],
+                            LAYER_ROUTING["topk_groups"])
+        if not bool(tied.any()):
+            break
+        logits = torch.where(tied[:, None], draw(1000 + 16 * rank + round_), logits)
+    return logits
+
+
+def _row_keys(parts: tuple) -> torch.Tensor:
+    """A float64 key per row of the byte content of ``parts`` (tensors of equal row count):
+    equal rows get equal keys; distinct rows distinct ones (random weights, chunked)."""
+    data = torch.cat([p.contiguous().view(torch.uint8).reshape(p.shape[0], -1) for p in parts],
+                     dim=1)
+    weights = torch.rand(data.shape[1], generator=generator(torch.device("cpu"), 7),
+                         dtype=torch.float64).to(data.device)
+    return torch.cat([chunk.double() @ weights for chunk in data.split(1024)]) \
+        if data.shape[0] else data.new_zeros(0, dtype=torch.float64)
+
+
+def _canonical_rows(parts: tuple, cumsum: torch.Tensor) -> tuple:
+    """``parts`` (received rows, the valid prefix) with each source rank's segment sorted by
+    row content: FlashInfer's prepare sends a segment in atomic order, the oracle by token."""
+    order = torch.arange(parts[0].shape[0], device=parts[0].device)
+    keys = _row_keys(parts)
+    for start, end in _segments(cumsum):
+        order[start:end] = keys[start:end].argsort(stable=True) + start
+    return tuple(p[order] for p in parts)
+
+
 def _layer_build(shape: dict, device: torch.device, ctx=None) -> dict:
+    """Every rank's logits and tokens; the oracle pipeline: reference routing ->
+    simulate_alltoall -> [quantize_nvfp4 ->] simulate_dispatch -> [dequantize_nvfp4 ->]
+    identity experts (reference permute, gather, weighted un-permute) -> simulate_combine."""
+    ref = lambda name: load("kernels.reference", name)  # noqa: E731
     inputs = _all_inputs(shape, device, ctx)
-    gen = generator(device, 300 + ctx.rank)
-    logits = torch.randn(shape["tokens"], shape["experts"], generator=gen, device=device)
-    bias = 0.1 * torch.randn(shape["experts"], generator=generator(device, 301), device=device)
-    inputs.update(logits=logits, bias=bias)
-    _, weights = load("kernels.reference", "route_topk")(logits, shape["top_k"], bias=bias,
-                                                         **LAYER_ROUTING)
-    # Identity experts: each rank returns its rows times the sum of its local weights; the
-    # combine adds the ranks up: x * (sum of all k weights), rounded to bf16 once per rank.
-    x = inputs["xs"][ctx.rank]
-    inputs["expected"] = (x.float() * weights.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+    rank, ranks, experts, k = ctx.rank, ctx.world_size, shape["experts"], shape["top_k"]
+    bias = 0.1 * torch.randn(experts, generator=generator(device, 301), device=device)
+    all_logits = [_layer_logits(shape, device, r, bias) for r in range(ranks)]
+    routed = [ref("route_topk")(logits, k, bias=bias, **LAYER_ROUTING) for logits in all_logits]
+    ids, weights = [r[0] for r in routed], [r[1] for r in routed]
+    plans = ref("simulate_alltoall")(ids, weights, experts, shape["tokens"])
+    # The plans of the routed ids (also for the bytes moved), replacing _all_inputs' draws.
+    inputs.update(logits=all_logits[rank], bias=bias, ids=ids, weights=weights, plans=plans)
+    if shape["payload"] == "nvfp4":
+        # A static global scale shared by all ranks (as a calibrated input scale would be):
+        # the receiver decodes every source's rows with it. Computed here, untimed.
+        gs = torch.stack([ref("nvfp4_global_scale")(x) for x in inputs["xs"]]).min(dim=0).values
+        quantized = [ref("quantize_nvfp4")(x, gs, layout="linear") for x in inputs["xs"]]
+        codes = ref("simulate_dispatch")([q[0] for q in quantized], plans)
+        scales = ref("simulate_dispatch")([q[1] for q in quantized], plans)
+        rows = [ref("dequantize_nvfp4")(c, sf, gs, dtype=torch.bfloat16)
+                for c, sf in zip(codes, scales)]
+        received = (codes[rank], scales[rank])
+        inputs["global_scale"] = gs
+    else:
+        rows = ref("simulate_dispatch")(inputs["xs"], plans)
+        received = (rows[rank],)
+    local = experts // ranks
+    expert_out = []
+    for receiver, plan in enumerate(plans):
+        order = ref("permute_by_expert")(plan.recv_expert_ids, experts,
+                                         first_expert=receiver * local, num_local_experts=local)
+        source = order.source_rows
+        token_rows = torch.where(source >= 0, source // k, source).to(torch.int32)
+        gathered = ref("gather_rows")(rows[receiver], token_rows)
+        expert_out.append(ref("unpermute_and_reduce")(gathered, order, plan.recv_weights))
+    out = ref("simulate_combine")(expert_out, plans)[rank]
+    inputs["expected"] = _layer_normalize((out, plans[rank].recv_rank_count_cumsum, received,
+                                           rows[rank]), inputs)
     return inputs
+
+
+def _layer_normalize(result: tuple, inputs: dict) -> dict:
+    """(out, recv cumsum, received parts, rows the experts read) -> what the check compares:
+    the received parts and expert rows of the valid prefix, each segment in canonical order."""
+    out, cumsum, received, rows = result
+    total = int(inputs["plans"][inputs["rank"]].total_recv)
+    oracle_cumsum = inputs["plans"][inputs["rank"]].recv_rank_count_cumsum
+    parts = _canonical_rows(tuple(p[:total] for p in received) + (rows[:total],), oracle_cumsum)
+    return dict(out=out, recv_rank_count_cumsum=cumsum, received=parts[:-1], rows=parts[-1])
+
+
+def _layer_check(out: dict, ref, inputs: dict, shape: dict) -> None:
+    """Counts, received rows (codes and scales) and the rows the experts read (dequantized)
+    exactly; the layer's output with the bf16 tolerance (the reductions' order may differ)."""
+    expected = inputs["expected"]
+    assert_same(out["recv_rank_count_cumsum"], expected["recv_rank_count_cumsum"],
+                what="recv_rank_count_cumsum")
+    assert_same(tuple(p.view(torch.uint8) for p in out["received"]),
+                tuple(p.view(torch.uint8) for p in expected["received"]),
+                what="received rows (bit-exact)")
+    assert_same(out["rows"].view(torch.uint8), expected["rows"].view(torch.uint8),
+                what="expert input rows (bit-exact)")
+    assert_same(out["out"], expected["out"], what="layer output")
 
 
 def _layer_choice(backend: str, device: torch.device) -> dict:
     """The backend of each stage for the layer row ``backend``: that backend wherever the
-    stage switch says it can run, else triton."""
+    stage switch says it can run, else triton (e.g. on CUDA the triton row runs the Triton
+    transport and prepare; on SM90 the flashinfer row quantizes with Triton)."""
     why = load("a2a.backends", "why_unavailable")
     choice = {}
-    for stage in ("routing", "prepare", "transport", "permute"):
+    for stage in ("routing", "prepare", "quantize", "transport", "permute"):
         context = {"method": LAYER_ROUTING["method"]} if stage == "routing" else {}
         choice[stage] = backend if why(stage, backend, device, **context) is None else "triton"
     return choice
@@ -411,6 +520,8 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     experts, k = shape["experts"], shape["top_k"]
     local_experts = experts // ranks
     x = inputs["xs"][rank]
+    nvfp4 = shape["payload"] == "nvfp4"
+    gs = inputs.get("global_scale")
 
     def layer(backend):
         def factory():
@@ -419,7 +530,10 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
             gather = load("a2a.permute", "gather_rows")
             unpermute = load("a2a.permute", "unpermute_and_reduce")
             choice = _layer_choice(backend, ctx.device)
-            a2a = _moe_alltoall(ctx, shape, choice["prepare"], choice["transport"])
+            dequantize = load("kernels.reference" if choice["quantize"] == "torch"
+                              else "kernels.quantize", "dequantize_nvfp4")
+            a2a = _moe_alltoall(ctx, shape, choice["prepare"], choice["transport"],
+                                quantize=choice["quantize"])
 
             def run():
                 ids, weights = route(inputs["logits"], k, LAYER_ROUTING["method"],
@@ -428,7 +542,12 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                                      routed_scaling=LAYER_ROUTING["routed_scaling"],
                                      backend=choice["routing"])
                 plan = a2a.prepare(ids, weights)
-                recv = a2a.dispatch(x, plan)
+                if nvfp4:  # quantize (in dispatch), send codes + scales, decode on arrival
+                    received = a2a.dispatch(x, plan, quant="nvfp4", global_scale=gs)
+                    recv = dequantize(received[0], received[1], gs, dtype=torch.bfloat16)
+                else:
+                    recv = a2a.dispatch(x, plan)
+                    received = (recv,)
                 order = permute(plan.recv_expert_ids, experts, first_expert=rank * local_experts,
                                 num_local_experts=local_experts, backend=choice["permute"])
                 # Token row of each permuted (row, slot) pair; UNUSED (-1) stays -1.
@@ -437,11 +556,14 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 rows = gather(recv, token_rows, backend=choice["permute"])
                 rows = rows[0] if isinstance(rows, tuple) else rows
                 expert_out = unpermute(rows, order, plan.recv_weights, backend=choice["permute"])
-                return a2a.combine(expert_out, plan)
+                return a2a.combine(expert_out, plan), plan.recv_rank_count_cumsum, received, recv
             return run
         return factory
 
-    return [make_path(b, layer(b)) for b in ("triton", "flashinfer", "torch")] + [
+    timed = ("timed: route, prepare, quantize (static global scale), dispatch of codes + scales, "
+             "dequantize, identity experts, combine" if nvfp4 else "")
+    return [make_path(b, layer(b), normalize=lambda r: _layer_normalize(r, inputs), timed=timed)
+            for b in ("triton", "flashinfer", "torch")] + [
         Path(ONE_SIDED, reason="not run: the layer row of FlashInfer's one-sided all-to-all is "
                                "not written yet (its receive buffers hold stale rows past the "
                                "counts, which the permutation would read)")]
@@ -449,9 +571,9 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
 LAYER = Stage(
     name="layer", keys=("tokens", "hidden", "experts", "top_k", "routing"),
-    build=_layer_build, paths=_layer_paths,
-    check=lambda out, ref, inputs, shape: assert_same(out, inputs["expected"], what="layer"),
-    traffic=_layer_traffic, dtype=lambda shape: "bf16", distributed=True, oracle=None)
+    variants=({"payload": "bf16"}, {"payload": "nvfp4"}),
+    build=_layer_build, paths=_layer_paths, check=_layer_check,
+    traffic=_layer_traffic, dtype=lambda shape: shape["payload"], distributed=True, oracle=None)
 
 
 DISTRIBUTED_STAGES = (PREPARE_RANKS, DISPATCH, COMBINE, LAYER)
