@@ -573,7 +573,8 @@ LAYER = Stage(
     name="layer", keys=("tokens", "hidden", "experts", "top_k", "routing"),
     variants=({"payload": "bf16"}, {"payload": "nvfp4"}),
     build=_layer_build, paths=_layer_paths, check=_layer_check,
-    traffic=_layer_traffic, dtype=lambda shape: shape.get("payload", "bf16"), distributed=True, oracle=None)
+    traffic=_layer_traffic, dtype=lambda shape: shape.get("payload", "bf16"), distributed=True,
+    oracle=None)
 
 
 DISTRIBUTED_STAGES = (PREPARE_RANKS, DISPATCH, COMBINE, LAYER)
