@@ -97,20 +97,16 @@ def _triton(device: torch.device, **_) -> Optional[str]:
             f"before triton is imported; got a tensor on {device}")
 
 
-def _triton_cross_rank(device: torch.device, **_) -> Optional[str]:
-    if device.type == "cuda":
-        return None
-    return ("the cross-rank Triton prepare stores into peer-mapped (MNNVL) memory and spins on "
-            f"flags the other ranks set concurrently: it needs a CUDA device, even under "
-            f"TRITON_INTERPRET=1; got a tensor on {device}")
-
-
-def _triton_transport(device: torch.device, **_) -> Optional[str]:
-    if device.type == "cuda":
-        return None
-    return ("the Triton transport stores rows into peer-mapped (MNNVL) memory and spins on flags "
-            "the other ranks set concurrently: it needs a CUDA device, even under "
-            f"TRITON_INTERPRET=1; got a tensor on {device}")
+def _triton_peer_stores(subject: str) -> Callable[..., Optional[str]]:
+    """The rule of a Triton kernel that stores into peer-mapped memory and spins on flags the
+    other ranks set: it needs a CUDA device, also under the interpreter."""
+    def reason(device: torch.device, **_) -> Optional[str]:
+        if device.type == "cuda":
+            return None
+        return (f"{subject} into peer-mapped (MNNVL) memory and spins on flags the other ranks "
+                f"set concurrently: it needs a CUDA device, even under TRITON_INTERPRET=1; got "
+                f"a tensor on {device}")
+    return reason
 
 
 def _torch(device: torch.device, **_) -> Optional[str]:
@@ -169,8 +165,8 @@ _REASONS: dict[tuple[str, str], Callable[..., Optional[str]]] = {}
 for _stage in STAGES:
     _REASONS[(_stage, "triton")] = _triton
     _REASONS[(_stage, "torch")] = _torch
-_REASONS[("prepare", "triton")] = _triton_cross_rank
-_REASONS[("transport", "triton")] = _triton_transport
+_REASONS[("prepare", "triton")] = _triton_peer_stores("the cross-rank Triton prepare stores")
+_REASONS[("transport", "triton")] = _triton_peer_stores("the Triton transport stores rows")
 _REASONS[("routing", "flashinfer")] = _routing_flashinfer
 _REASONS[("permute", "flashinfer")] = _permute_flashinfer
 _REASONS[("prepare", "flashinfer")] = _distributed_flashinfer

@@ -12,7 +12,7 @@ FlashInfer facts the adapters rely on (0.7.2):
   (process-wide; not safe against other threads quantizing at the same moment).
 - ``mxfp8_quantize(x, is_sf_swizzled_layout=False)`` returns (float8_e4m3fn [M, H], flat uint8
   [M*H/32]); MXFP4 is ``fp4_quantize(sf_vec_size=32, sf_use_ue8m0=True)`` (mxfp4_quantize moves
-  the input with ``.cuda()`` and defaults to the swizzled layout, so we call fp4_quantize).
+  the input to the current GPU and defaults to the swizzled layout, so we call fp4_quantize).
 - ``block_scale_interleave(sf)`` (alias ``nvfp4_block_scale_interleave``) returns the 128x4
   swizzled bytes flat, [Mp * Kp]; it runs on SM90 too.
 """
