@@ -54,10 +54,12 @@ def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 
 def sum_over_slots(scattered: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """Combine's reduction: [T*k, H] rows -> [T, H], summed over k in float32 in slot order and
-    rounded once to the dtype of ``scattered``."""
+    """Combine's reduction: [T*k, H] rows -> [T, H], summed over k in float32 in slot order
+    (``kernels.reference.sum_slots_in_order``, the order the Triton transport's fused reduction
+    repeats) and rounded once to the dtype of ``scattered``."""
+    from kernels.reference import sum_slots_in_order
     rows = scattered.view(num_tokens, top_k, scattered.shape[1])
-    return rows.sum(dim=1, dtype=torch.float32).to(scattered.dtype)
+    return sum_slots_in_order(rows).to(scattered.dtype)
 
 
 def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
@@ -388,14 +390,13 @@ class MoEAlltoall:
 
     def _triton_transfer(self, kind: str, rows: torch.Tensor, plan: AlltoallPlan,
                          name: str) -> torch.Tensor:
-        """One Triton-transport dispatch or combine of byte rows (no host sync)."""
+        """One Triton-transport dispatch of byte rows (no host sync)."""
         from a2a import triton_transport
         triton_transport.check_row_bytes(name, rows.shape[1])
         workspace, counter = self._transport_workspace(kind, rows.shape[1])
-        move = (triton_transport.triton_dispatch_rows if kind == "dispatch"
-                else triton_transport.triton_combine_rows)
-        return move(rows, plan, workspace, call_counter=counter, status=self._transport_status,
-                    check=False)
+        return triton_transport.triton_dispatch_rows(
+            rows, plan, workspace, call_counter=counter, status=self._transport_status,
+            check=False)
 
     def dispatch(self, x: torch.Tensor, plan: AlltoallPlan, *, quant: Optional[str] = None,
                  global_scale: Optional[torch.Tensor] = None):
@@ -459,10 +460,15 @@ class MoEAlltoall:
         if tuple(expert_out.shape) != (rows, self.hidden_size):
             raise ValueError(f"expert_out has shape {tuple(expert_out.shape)}, expected "
                              f"{(rows, self.hidden_size)} (dispatch's rows, N*R)")
-        if self.backends["transport"] == "triton":
-            scattered = self._triton_transfer("combine", _as_bytes(expert_out), plan,
-                                              "expert_out")
-        elif self.backends["transport"] == "flashinfer":
+        if self.backends["transport"] == "triton":  # the reduction is fused: same adds
+            from a2a import triton_transport
+            rows = _as_bytes(expert_out)
+            triton_transport.check_row_bytes("expert_out", rows.shape[1])
+            workspace, counter = self._transport_workspace("combine", rows.shape[1])
+            return triton_transport.triton_combine(
+                rows, plan, workspace, dtype=expert_out.dtype, call_counter=counter,
+                status=self._transport_status, check=False)
+        if self.backends["transport"] == "flashinfer":
             from a2a.flashinfer_comm import check_row_bytes, flashinfer_combine_rows
             check_row_bytes("expert_out", expert_out)
             scattered = flashinfer_combine_rows(_as_bytes(expert_out), plan,

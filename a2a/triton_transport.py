@@ -83,6 +83,7 @@ import triton
 import triton.language as tl
 
 from a2a.triton_prepare import TIMEOUT_SPINS
+from kernels.permute import _round_to
 from kernels.types import AlltoallPlan
 from kernels.validate import check_tensor
 
@@ -92,14 +93,17 @@ ROW_ALIGN_BYTES = 16
 WORD_BYTES = 4
 # Chunks per (source, destination) pair: a fixed upper bound so that the flag layout does not
 # depend on the launch.
-MAX_CHUNKS = 32
+MAX_CHUNKS = 64
 # Flags and row starts are padded to this many bytes (and the row size to a multiple of it, so
 # that every workspace's row stride is a multiple of 16 words: one compiled variant).
 PAD_BYTES = 128
-# Default bound on a kernel's grid R * C (one program per SM of an H200, which has 132).
-TRANSPORT_PROGRAMS = 128
-# Words per tile: 4 warps x 32 threads x 8 words, two 16-byte vectors per thread per step.
-TILE_WORDS = 1024
+# Default bound on a kernel's grid R * C. NVLink stores need many bytes in flight: a first
+# H200 run with 32 programs per peer and 4 KB tiles reached only ~115 GB/s per direction (the
+# bench's probe, 64 CTAs x 16 KB, reaches ~355), hence 64 programs per peer at R = 2 (R * C is
+# capped here, C at MAX_CHUNKS) and 16 KB tiles.
+TRANSPORT_PROGRAMS = 256
+# Words per tile: 4 warps x 32 threads x 32 words, eight 16-byte vectors per thread per step.
+TILE_WORDS = 4096
 NUM_WARPS = 4
 
 
@@ -217,6 +221,85 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
                          tl.zeros((BLOCK_ROWS, BLOCK_WORDS), tl.int32), mask=ok)
 
 
+@triton.jit(do_not_specialize=["max_rows"])
+def _slot_map_kernel(slot_map_ptr, cumsum_ptr, backward_ptr, max_rows,
+                     BLOCK_ROWS: tl.constexpr):
+    """Program s: for row i of this rank's send segment to s, ``slot_map[backward[i]] =
+    s * N + i`` (where the row comes back in the combine inbox); other slots stay -1."""
+    peer = tl.program_id(0)
+    seg_start, count = _segment(cumsum_ptr, peer)
+    for row0 in range(0, count, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        ok = rows < count
+        slot = tl.load(backward_ptr + seg_start + rows, mask=ok, other=0)
+        tl.store(slot_map_ptr + slot, peer * max_rows + rows, mask=ok)
+
+
+@triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_rows", "num_tokens", "num_chunks",
+                               "timeout_spins"])
+def _reduce_kernel(out_ptr, slot_map_ptr, ws_ptr, ws_row_stride, counter_ptr, status_ptr,
+                   ep_rank, ep_size, max_rows, num_tokens, num_chunks, timeout_spins,
+                   FLAG_WORDS: tl.constexpr, ROW_ELEMS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+                   TOP_K: tl.constexpr, MAX_CHUNKS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
+                   BLOCK_TOKENS: tl.constexpr, BLOCK_ELEMS: tl.constexpr):
+    """Combine's receive side fused with the reduction over k (grid-stride over token tiles).
+
+    Waits (bounded) until every source's every chunk of this call has arrived, then for each
+    token t: ``acc = 0; acc = acc + float32(row of slot j)`` for j = 0..k-1 (absent slots add
+    +0), stored once in the payload dtype: the adds of ``reference.sum_slots_in_order``.
+    """
+    call = tl.load(counter_ptr)
+    parity = call % 2
+    expected = call + 1
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    wsE = ws_ptr.to(out_ptr.dtype, bitcast=True)
+    my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
+
+    # Every (source, chunk) flag of this call: one vector of acquire loads, spun on (bounded).
+    lanes = tl.arange(0, FLAG_BLOCK)
+    source = lanes // num_chunks
+    wanted = lanes < ep_size * num_chunks
+    flags = ws64 + my_row + source * MAX_CHUNKS + lanes % num_chunks
+    seen = tl.atomic_add(flags, 0, mask=wanted, sem="acquire", scope="sys")
+    seen = tl.where(wanted, seen, expected)
+    spins = 0
+    while (tl.min(seen, axis=0) < expected) & (spins < timeout_spins):
+        seen = tl.atomic_add(flags, 0, mask=wanted, sem="acquire", scope="sys")
+        seen = tl.where(wanted, seen, expected)
+        spins += 1
+    arrived = tl.min(seen, axis=0) >= expected
+    tl.atomic_max(status_ptr + source, expected, mask=seen < expected)
+    tl.debug_barrier()
+
+    # Row i of source s in this call's inbox, in payload elements from the workspace start.
+    area = my_row * (8 // ELEM_BYTES) + FLAG_WORDS * (4 // ELEM_BYTES)
+    tokens0 = tl.arange(0, BLOCK_TOKENS)
+    elems0 = tl.arange(0, BLOCK_ELEMS)
+    tiles_per_row = (ROW_ELEMS + BLOCK_ELEMS - 1) // BLOCK_ELEMS
+    num_tiles = tl.cdiv(num_tokens, BLOCK_TOKENS) * tiles_per_row
+    tile = tl.program_id(0)
+    while tile < num_tiles:
+        tokens = (tile // tiles_per_row) * BLOCK_TOKENS + tokens0
+        elems = (tile % tiles_per_row) * BLOCK_ELEMS + elems0
+        token_ok = tokens < num_tokens
+        elem_ok = elems < ROW_ELEMS
+        acc = tl.zeros((BLOCK_TOKENS, BLOCK_ELEMS), tl.float32)
+        for slot in tl.static_range(TOP_K):
+            where = tl.load(slot_map_ptr + tokens.to(tl.int64) * TOP_K + slot, mask=token_ok,
+                            other=-1)
+            src = where // max_rows
+            row = ((src * 2 + parity) * max_rows + where % max_rows).to(tl.int64)
+            present = (where >= 0) & arrived
+            values = tl.load(wsE + area + row[:, None] * ROW_ELEMS + elems[None, :],
+                             mask=present[:, None] & elem_ok[None, :], other=0.0,
+                             cache_modifier=".cg")
+            acc = acc + values.to(tl.float32)
+        tl.store(out_ptr + tokens.to(tl.int64)[:, None] * ROW_ELEMS + elems[None, :],
+                 _round_to(acc, out_ptr.dtype.element_ty),
+                 mask=token_ok[:, None] & elem_ok[None, :])
+        tile += tl.num_programs(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
@@ -283,21 +366,28 @@ def _check_common(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tenso
     return row_bytes
 
 
-def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, plan, workspace,
-              call_counter, status, *, zero_tail, timeout_spins, max_programs, check):
-    ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
+def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_programs):
+    """Launch the send kernel; returns (chunks, the copy-tile constants)."""
+    ep_size = plan.ep_size
     row_words = rows.shape[1] // WORD_BYTES
     block_rows, block_words = _tile(row_words)
     chunks = transport_chunks(ep_size, max_programs)
-    own_status = status is None
-    if own_status:
-        status = torch.zeros(ep_size, dtype=torch.int64, device=rows.device)
     constants = dict(FLAG_WORDS=_flag_bytes(ep_size) // WORD_BYTES, ROW_WORDS=row_words,
                      MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
                      num_warps=NUM_WARPS)
     _send_kernel[(ep_size, chunks)](
         rows, send_cumsum, send_indices, workspace, workspace.stride(0), call_counter,
-        plan.ep_rank, max_rows, **constants)
+        plan.ep_rank, plan.max_tokens_per_rank, **constants)
+    return chunks, constants
+
+
+def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, plan, workspace,
+              call_counter, status, *, zero_tail, timeout_spins, max_programs, check):
+    ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
+    if status is None:
+        status = torch.zeros(ep_size, dtype=torch.int64, device=rows.device)
+    chunks, constants = _send(rows, send_cumsum, send_indices, plan, workspace, call_counter,
+                              max_programs)
     num_out_rows = out.shape[0]
     _recv_kernel[(ep_size, chunks)](
         out, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter, status,
@@ -366,10 +456,73 @@ def triton_combine_rows(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch
                      timeout_spins=timeout_spins, max_programs=max_programs, check=check)
 
 
+# Fused combine: token tiles of the reduction (elements per tile: 4 tokens x 1024).
+REDUCE_TOKENS, REDUCE_ELEMS, REDUCE_WARPS = 4, 1024, 8
+COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_combine(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tensor, *,
+                   dtype: torch.dtype, call_counter: torch.Tensor,
+                   status: Optional[torch.Tensor] = None, check: bool = True,
+                   timeout_spins: int = TIMEOUT_SPINS,
+                   max_programs: int = TRANSPORT_PROGRAMS) -> torch.Tensor:
+    """Combine with the reduction over k fused into the receive (collective).
+
+    The rows travel exactly as in :func:`triton_combine_rows` (same workspace layout, flags and
+    counter), but instead of scattering them into ``[T*k, B]`` zeros the receive kernel sums,
+    per token, the rows of its k slots in slot order in float32 and rounds once to ``dtype``:
+    the adds of ``kernels.reference.sum_slots_in_order``, so the result is bit-identical to
+    ``sum_over_slots(triton_combine_rows(...))`` and to the other transports. No ``[T*k, B]``
+    buffer is written or read.
+
+    rows:  [N*R, B] uint8 contiguous, this rank's output per received row viewed as bytes of
+           ``dtype`` (bf16, fp16 or fp32); rows past total_recv are not read.
+    Returns [T, B / itemsize] of ``dtype``. A timed-out wait yields zeros (and the status entry
+    of every source that was missing, as in :func:`triton_dispatch_rows`).
+    """
+    _check_common(rows, plan, workspace, call_counter, status,
+                  plan.max_tokens_per_rank * plan.ep_size, "combine rows")
+    if dtype not in COMBINE_DTYPES:
+        raise ValueError(f"dtype must be one of {COMBINE_DTYPES}, got {dtype}")
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    if rows.shape[1] % elem_bytes:
+        raise ValueError(f"combine rows of {rows.shape[1]} bytes are not whole {dtype} rows")
+    ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
+    num_tokens, top_k = plan.num_tokens, plan.top_k
+    device = rows.device
+    if status is None:
+        status = torch.zeros(ep_size, dtype=torch.int64, device=device)
+    row_elems = rows.shape[1] // elem_bytes
+    # Where slot t*k + j comes back: s * N + i (row i of source s's inbox area) or -1.
+    slot_map = torch.full((max(num_tokens * top_k, 1),), -1, dtype=torch.int32, device=device)
+    _slot_map_kernel[(ep_size,)](slot_map, plan.send_rank_count_cumsum,
+                                 plan.backward_recv_rank_local_indices, max_rows,
+                                 BLOCK_ROWS=256)
+    chunks, constants = _send(rows, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices,
+                              plan, workspace, call_counter, max_programs)
+    out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
+    block_elems = min(REDUCE_ELEMS, triton.next_power_of_2(row_elems))
+    tiles = triton.cdiv(num_tokens, REDUCE_TOKENS) * triton.cdiv(row_elems, block_elems)
+    grid = (max(1, min(tiles, 2 * max_programs)),)
+    _reduce_kernel[grid](
+        out, slot_map, workspace, workspace.stride(0), call_counter, status, plan.ep_rank,
+        ep_size, max_rows, num_tokens, chunks, timeout_spins,
+        FLAG_WORDS=constants["FLAG_WORDS"], ROW_ELEMS=row_elems, ELEM_BYTES=elem_bytes,
+        TOP_K=top_k, MAX_CHUNKS=MAX_CHUNKS,
+        FLAG_BLOCK=triton.next_power_of_2(ep_size * chunks), BLOCK_TOKENS=REDUCE_TOKENS,
+        BLOCK_ELEMS=block_elems, num_warps=REDUCE_WARPS)
+    call_counter.add_(1)
+    if check:
+        raise_on_timeout(status, plan.ep_rank)
+    return out
+
+
 def warmup(device, *, ep_size: int, max_tokens_per_rank: int, row_bytes: int, top_k: int = 1,
-           max_programs: int = TRANSPORT_PROGRAMS) -> None:
-    """Compile and load both kernels of dispatch and combine for rows of ``row_bytes`` bytes,
-    without communicating, then synchronize ``device``.
+           max_programs: int = TRANSPORT_PROGRAMS,
+           combine_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Compile and load the kernels of dispatch and combine (both combines, the fused one for
+    ``combine_dtype``) for rows of ``row_bytes`` bytes, without communicating, then
+    synchronize ``device``.
 
     Runs one dispatch and one combine of an empty plan (no rows) on a private workspace with
     ``timeout_spins=0``. Needed before R simulated ranks on one GPU call concurrently (loading a
@@ -397,6 +550,9 @@ def warmup(device, *, ep_size: int, max_tokens_per_rank: int, row_bytes: int, to
     rows = torch.zeros((rows_total, row_bytes), dtype=torch.uint8, device=device)
     triton_combine_rows(rows, plan, workspace, call_counter=counter, check=False,
                         timeout_spins=0, max_programs=max_programs)
+    if row_bytes % 2 == 0:
+        triton_combine(rows, plan, workspace, dtype=combine_dtype, call_counter=counter,
+                       check=False, timeout_spins=0, max_programs=max_programs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -25,7 +25,8 @@ if not torch.cuda.is_available():
 from bench import report  # noqa: E402
 from bench.runner import RunContext, add_speedups, run_stages  # noqa: E402
 from bench.stages import (CPU_QUICK_SWEEP, CPU_SWEEP, DEEPSEEK_SWEEP,  # noqa: E402
-                          DEFAULT_SWEEP, QUICK_SWEEP, SINGLE_DEVICE_STAGES, Stage, Sweep)
+                          DEFAULT_SWEEP, QUICK_SWEEP, SINGLE_DEVICE_STAGES, TRANSPORT_SWEEP,
+                          Stage, Sweep)
 from bench.targets import judge_targets  # noqa: E402
 from bench.timing import measure_limits  # noqa: E402
 from bench.transport import DISTRIBUTED_STAGES, not_distributed_record  # noqa: E402
@@ -38,7 +39,7 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 # Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=2)
 SWEEPS = {"quick": (QUICK_SWEEP, CPU_QUICK_SWEEP), "default": (DEFAULT_SWEEP, CPU_SWEEP),
-          "deepseek": (DEEPSEEK_SWEEP, CPU_SWEEP)}
+          "deepseek": (DEEPSEEK_SWEEP, CPU_SWEEP), "transport": (TRANSPORT_SWEEP, CPU_SWEEP)}
 # Seconds of sweep on a GPU before no further shape starts: with start-up, the limits and the
 # shape running at the deadline, one call stays under about 8 minutes (the GPU calls that run
 # the bench are limited to 10). The default sweep is sized to finish well inside it.
@@ -57,6 +58,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "H {4096,7168} x E {64,256} x k {4,8} x uniform/skewed routing, "
                              "plus the target shapes (bounded by --budget: run a few --stages "
                              "per call); deepseek: H=7168 E=256 k=8 only (fits one call); "
+                             "transport: H=7168 E=32 k=8 (the Triton transport's targets); "
                              "quick: 3 token counts of one shape")
     parser.add_argument("--quick", action="store_true", help="same as --sweep quick")
     parser.add_argument("--tokens", default=None,

@@ -103,6 +103,9 @@ DEFAULT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(4096, 7168),
 # target shapes: about a quarter of the default, sized to finish in one GPU call.
 DEEPSEEK_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(7168,), experts=(256,),
                        top_k=(8,), routing=("uniform", "skewed"), extra_shapes=True)
+# The Triton transport's targets (E=32, k=8, H=7168) over every token count: dispatch and combine.
+TRANSPORT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(7168,), experts=(32,),
+                        top_k=(8,), routing=("uniform",), extra_shapes=True)
 QUICK_SWEEP = Sweep(tokens=(16, 512, 8192), hidden=(7168,), experts=(256,), top_k=(8,),
                     routing=("uniform",))
 # Without a GPU every Triton kernel runs in the interpreter: tiny shapes only.

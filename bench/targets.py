@@ -63,6 +63,14 @@ TARGETS = (
     Target("permute", dict(op="unpermute_and_reduce", tokens=8192, hidden=7168, top_k=8,
                            routing="uniform"),
            "min_gbps", 2800.0, "unpermute_and_reduce [65536,7168] bf16 >= 2.8 TB/s"),
+    Target("dispatch", dict(quant="bf16", tokens=2048, hidden=7168, experts=32, top_k=8,
+                            routing="uniform"),
+           "max_us", 90.0, "Triton transport bf16 dispatch T=2048 E=32 k=8 <= 90 us"),
+    Target("dispatch", dict(quant="nvfp4", tokens=2048, hidden=7168, experts=32, top_k=8,
+                            routing="uniform"),
+           "max_us", 35.0, "Triton transport NVFP4 dispatch T=2048 E=32 k=8 <= 35 us"),
+    Target("combine", dict(tokens=2048, hidden=7168, experts=32, top_k=8, routing="uniform"),
+           "max_us", 100.0, "Triton transport combine T=2048 E=32 k=8 <= 100 us"),
 ) + tuple(
     Target("prepare", dict(tokens=t, experts=256, top_k=8, routing="uniform"), "max_us", 25.0,
            f"Triton prepare E=256 k=8 T={t} <= 25 us") for t in (16, 512, 8192))

@@ -33,6 +33,9 @@ from bench.stages import (Path, Stage, Unavailable, assert_same, generator, load
 # DeepSeek-V3 routing in the layer (runs on FlashInfer on SM90 too).
 LAYER_ROUTING = dict(method="deepseek_v3", num_groups=8, topk_groups=4, routed_scaling=2.5)
 ONE_SIDED = "flashinfer_one_sided"
+# The Triton transport's target shapes (bench/targets.py), added to dispatch and combine.
+TRANSPORT_TARGET_SHAPES = [dict(tokens=t, hidden=7168, experts=32, top_k=8, routing="uniform")
+                           for t in (16, 2048)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +266,8 @@ def _dispatch_check(out, ref, inputs, shape) -> None:
 DISPATCH = Stage(
     name="dispatch", keys=("tokens", "hidden", "experts", "top_k", "routing"),
     variants=({"quant": "bf16"}, {"quant": "nvfp4"}),
+    extra=lambda: [dict(quant=q, **shape) for shape in TRANSPORT_TARGET_SHAPES
+                   for q in ("bf16", "nvfp4")],
     build=_dispatch_build, paths=_dispatch_paths, check=_dispatch_check,
     traffic=_dispatch_traffic,
     dtype=lambda shape: shape.get("quant", "bf16"),
@@ -311,6 +316,7 @@ def _combine_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
 COMBINE = Stage(
     name="combine", keys=("tokens", "hidden", "experts", "top_k", "routing"),
+    extra=lambda: [dict(shape) for shape in TRANSPORT_TARGET_SHAPES],
     build=_combine_build, paths=_combine_paths,
     check=lambda out, ref, inputs, shape: assert_same(out, inputs["expected"], what="combined"),
     traffic=_combine_traffic, dtype=lambda shape: "bf16", distributed=True, oracle=None)

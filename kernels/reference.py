@@ -610,9 +610,9 @@ def simulate_combine(expert_out_per_rank: list, plans: list) -> list:
                          received (row order of its plan); rows past total_recv are ignored.
     plans:               the R :class:`AlltoallPlan` s of one prepare.
     Returns R tensors [T_r, H] of the same dtype: source r scatters each returned row into
-    zeros [T_r*k, H] at ``backward_recv_rank_local_indices`` and sums over k. The sum is taken
-    in float32 and rounded once to the dtype (torch.sum on bf16/fp16, which FlashInfer calls,
-    also accumulates in float32); at most min(R, k) of the k rows are nonzero.
+    zeros [T_r*k, H] at ``backward_recv_rank_local_indices`` and sums over k in slot order in
+    float32 (:func:`sum_slots_in_order`), rounded once to the dtype; at most min(R, k) of the k
+    rows are nonzero.
     """
     ep_size = len(plans)
     out = []
@@ -626,9 +626,21 @@ def simulate_combine(expert_out_per_rank: list, plans: list) -> list:
             recv_start, recv_end = _segment(plans[receiver].recv_rank_count_cumsum, source)
             slots = plan.backward_recv_rank_local_indices[send_start:send_end].long()
             scattered[slots] = expert_out_per_rank[receiver][recv_start:recv_end].to(like.device)
-        summed = scattered.float().reshape(plan.num_tokens, plan.top_k, like.shape[1]).sum(dim=1)
+        summed = sum_slots_in_order(scattered.reshape(plan.num_tokens, plan.top_k, like.shape[1]))
         out.append(summed.to(like.dtype))
     return out
+
+
+def sum_slots_in_order(rows: torch.Tensor) -> torch.Tensor:
+    """Combine's reduction over k, defined as one fixed order: ``[T, k, H]`` -> ``[T, H]``
+    float32, ``acc = 0; acc = acc + float32(rows[:, j])`` for j = 0, 1, ..., k-1 (a left fold
+    from +0, one float32 rounding per add). Every transport and every kernel that reduces over
+    k repeats exactly these adds, so results are bit-identical on any device (torch.sum's own
+    order is an implementation detail that differs between CPU and GPU)."""
+    acc = torch.zeros((rows.shape[0], rows.shape[2]), dtype=torch.float32, device=rows.device)
+    for slot in range(rows.shape[1]):
+        acc = acc + rows[:, slot].float()
+    return acc
 
 
 # =============================================================================================

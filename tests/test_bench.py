@@ -216,9 +216,16 @@ def test_targets_pass_and_fail():
 
 
 def test_target_shapes_are_in_the_default_and_deepseek_sweeps():
-    from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, PREPARE
+    from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, PREPARE, TRANSPORT_SWEEP
     from bench.targets import TARGETS
-    stages = {"quantize": QUANTIZE, "routing": ROUTING, "permute": PERMUTE, "prepare": PREPARE}
+    from bench.transport import COMBINE, DISPATCH
+    stages = {"quantize": QUANTIZE, "routing": ROUTING, "permute": PERMUTE, "prepare": PREPARE,
+              "dispatch": DISPATCH, "combine": COMBINE}
+    for target in TARGETS:  # the transport sweep holds the transport's targets
+        if target.stage in ("dispatch", "combine"):
+            shapes = stages[target.stage].shapes(TRANSPORT_SWEEP)
+            assert any(all(s.get(k) == v for k, v in target.match.items()) for s in shapes), \
+                target.text
     for sweep in (DEFAULT_SWEEP, DEEPSEEK_SWEEP):
         for target in TARGETS:
             shapes = stages[target.stage].shapes(sweep)
@@ -243,9 +250,10 @@ def test_default_sweep_is_the_issue_grid_and_deepseek_fits_one_gpu_call():
     assert count(DEEPSEEK_SWEEP, DISTRIBUTED_STAGES) <= 80
     assert count(DEFAULT_SWEEP, SINGLE_DEVICE_STAGES) >= 3 * count(DEEPSEEK_SWEEP,
                                                                    SINGLE_DEVICE_STAGES)
-    # 6 T x 2 H x 2 E x 2 k x 2 routings = 96 grid points per dispatch variant.
+    # 6 T x 2 H x 2 E x 2 k x 2 routings = 96 grid points per dispatch variant, plus the
+    # Triton transport's target shapes (E=32 k=8 H=7168, T = 16 and 2048, bf16 and nvfp4).
     dispatch = next(s for s in DISTRIBUTED_STAGES if s.name == "dispatch")
-    assert len(dispatch.shapes(DEFAULT_SWEEP)) == 96 * 2
+    assert len(dispatch.shapes(DEFAULT_SWEEP)) == 96 * 2 + 2 * 2
 
 
 def test_budget_skips_the_shapes_left_on_every_rank():

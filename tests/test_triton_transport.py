@@ -21,7 +21,6 @@ import torch
 from a2a import triton_transport as tt
 from a2a.alltoall import sum_over_slots
 from kernels import reference as ref
-from tests.support import assert_close
 from tests.test_reference_prepare import random_routing
 from tests.test_triton_prepare_gpu import _interpreter_with_runtime_loops
 
@@ -82,9 +81,18 @@ class Ranks:
                                 for _ in range(ep_size)] for kind in ("dispatch", "combine")}
 
 
+def _mover(kind):
+    """The transport call of ``kind``: dispatch, combine (scattered rows) or combine_fused
+    (bf16 rows reduced over k in the receive kernel); the last two share a workspace."""
+    if kind == "combine_fused":
+        return lambda *args, **kwargs: tt.triton_combine(*args, dtype=torch.bfloat16, **kwargs)
+    return tt.triton_dispatch_rows if kind == "dispatch" else tt.triton_combine_rows
+
+
 def emulate(kind, rows_per_rank, plans, ranks, max_programs):
     """One call of ``kind`` on every rank, emulated in two passes (see the module docstring)."""
-    move = tt.triton_dispatch_rows if kind == "dispatch" else tt.triton_combine_rows
+    move = _mover(kind)
+    kind = "combine" if kind == "combine_fused" else kind
     counters = ranks.counters[kind]
     start = [int(c) for c in counters]
     for spins, check in ((2, False), (1000, True)):
@@ -141,6 +149,12 @@ def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, expert
             hit = torch.zeros(tokens[rank] * top_k, dtype=torch.bool)
             hit[plans[rank].backward_recv_rank_local_indices[:total].long()] = True
             assert not scattered[rank][~hit].any()
+        # The fused combine (reduction in the receive kernel): the same sums, bit for bit.
+        fused = emulate("combine_fused", [o.view(torch.uint8) for o in outs], plans, ranks,
+                        max_programs)
+        for rank in range(ep_size):
+            assert fused[rank].dtype == torch.bfloat16
+            assert torch.equal(fused[rank], want[rank]), (call, rank)
 
 
 @interpreted
@@ -205,7 +219,7 @@ def test_bad_inputs_raise():
 
 def test_workspace_size():
     # flags [R, MAX_CHUNKS] int64 padded to 128 bytes, then [R][2][N][B] rows, rounded to 128.
-    assert tt.transport_workspace_bytes(2, 5, 48) == 2 * 32 * 8 + 2 * 2 * 5 * 48 + 64
+    assert tt.transport_workspace_bytes(2, 5, 48) == 2 * 64 * 8 + 2 * 2 * 5 * 48 + 64
     assert tt.transport_workspace_bytes(8, 1024, 14336) % 128 == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         tt.transport_workspace_bytes(2, 5, 40)
@@ -217,7 +231,8 @@ def test_workspace_size():
 
 def simulate_ranks(kind, rows_per_rank, plans, ranks, statuses, max_programs):
     """Launch every rank's transfer on its own stream (check=False); return after a sync."""
-    move = tt.triton_dispatch_rows if kind == "dispatch" else tt.triton_combine_rows
+    move = _mover(kind)
+    kind = "combine" if kind == "combine_fused" else kind
     streams = [torch.cuda.Stream() for _ in plans]
     current = torch.cuda.current_stream()
     outs = [None] * len(plans)
@@ -271,7 +286,12 @@ def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tok
             # (sum_over_slots, shared by all transports) is bit-identical too.
             assert torch.equal(scattered[rank], want_scattered[rank].view(torch.uint8))
             combined = sum_over_slots(scattered[rank].view(torch.bfloat16), tokens[rank], top_k)
-            assert_close(combined, combined_want[rank])
+            assert torch.equal(combined, combined_want[rank].to(device)), (call, rank)
+        fused = simulate_ranks("combine_fused", [o.view(torch.uint8) for o in outs], plans,
+                               ranks, statuses, max_programs)
+        for rank in range(ep_size):
+            assert int(statuses[rank].max()) == 0, (call, rank, statuses[rank])
+            assert torch.equal(fused[rank], combined_want[rank].to(device)), (call, rank)
 
 
 def _plan_to(plan, device):
@@ -306,6 +326,10 @@ def test_cuda_graph_capture_and_replay(device):
                                            ranks.workspace["combine"],
                                            call_counter=ranks.counters["combine"][0],
                                            status=status, check=False)
+        fused = tt.triton_combine(expert_out.view(torch.uint8), plan,
+                                  ranks.workspace["combine"], dtype=torch.bfloat16,
+                                  call_counter=ranks.counters["combine"][0], status=status,
+                                  check=False)
     for replay in range(5):
         x.copy_(torch.randn(max_tokens, hidden, generator=generator).to(torch.bfloat16))
         expert_out.copy_(torch.randn(max_tokens, hidden, generator=generator)
@@ -315,7 +339,10 @@ def test_cuda_graph_capture_and_replay(device):
         assert torch.equal(recv.view(torch.bfloat16), ref.simulate_dispatch([x], [plan])[0])
         assert torch.equal(scattered, reference_scattered([expert_out], [plan])[0]
                            .view(torch.uint8))
+        assert torch.equal(fused, ref.simulate_combine([expert_out.cpu()], [_plan_to(
+            plan, "cpu")])[0].to(device))
         assert int(ranks.counters["dispatch"][0]) == replay + 1
+        assert int(ranks.counters["combine"][0]) == 2 * (replay + 1)
     assert status.tolist() == [0]
 
 
