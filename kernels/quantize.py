@@ -116,13 +116,22 @@ def _e4m3_code(x, HARDWARE: tl.constexpr):
 
 
 @triton.jit
+def _with_sign(magnitude, sign_bit):
+    """``magnitude`` (fp32, >= +0) negated where ``sign_bit`` (int) is nonzero, on the bits:
+    ``-x`` may compile to ``0 - x`` on the GPU, which turns -0 into +0."""
+    bits = magnitude.to(tl.uint32, bitcast=True) | tl.where(sign_bit != 0, 0x80000000, 0).to(
+        tl.uint32)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3_value(code):
     """float8_e4m3fn bits (int32) -> fp32, exact (0x7F/0xFF -> NaN)."""
     exponent = (code >> 3) & 0xF
     mantissa = code & 0x7
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # 2^-9
-    value = tl.where((code & 0x80) != 0, -value, value)
+    value = _with_sign(value, code & 0x80)
     nan = tl.full(code.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     return tl.where((code & 0x7F) == 0x7F, nan, value)
 
@@ -351,13 +360,14 @@ def _dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_ro
     2: MXFP8 (e4m3 * 2^(c-127))."""
     COLS: tl.constexpr = BLOCKS * BLOCK
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     row_ok = (rows < num_rows)[:, None]
     mask = row_ok & (cols < hidden)[None, :]
-    block_mask = row_ok & (blocks < hidden // BLOCK)[None, :]
-    sf = tl.load(scales_ptr + _scale_offsets(rows, blocks, padded_blocks, LAYOUT),
-                 mask=block_mask, other=0).to(tl.int32)
+    # Each element loads its block's scale (element-shaped, L1 hits): no [rows, blocks] tensor
+    # broadcast into [rows, blocks, BLOCK]. That reshaped form gave wrong bf16 results on an
+    # H200 with Triton 3.6 at H = 7168 (right in the interpreter and at small H).
+    sf = tl.load(scales_ptr + _scale_offsets(rows, cols // BLOCK, padded_blocks, LAYOUT),
+                 mask=mask, other=0).to(tl.int32)
     if FORMAT == 2:
         codes = tl.load(packed_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
                         mask=mask, other=0).to(tl.int32)
@@ -372,14 +382,12 @@ def _dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_ro
         magnitude = tl.where(magnitude_code < 5, magnitude_code.to(tl.float32) * 0.5,
                              tl.where(magnitude_code == 5, 3.0,
                                       tl.where(magnitude_code == 6, 4.0, 6.0)))
-        values = tl.where(codes >= 8, -magnitude, magnitude)
-    values = tl.reshape(values, (BLOCK_ROWS, BLOCKS, BLOCK))
+        values = _with_sign(magnitude, codes & 8)
     if FORMAT == 0:
         decode = tl.math.div_rn(1.0, tl.load(global_scale_ptr))
-        out = (values * _e4m3_value(sf)[:, :, None]) * decode
+        out = (values * _e4m3_value(sf)) * decode
     else:
-        out = values * _e8m0_value(sf)[:, :, None]
-    out = tl.reshape(out, (BLOCK_ROWS, COLS))
+        out = values * _e8m0_value(sf)
     if out_ptr.dtype.element_ty != tl.float32:  # round once, to nearest even, like torch
         out = out.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], out, mask=mask)
