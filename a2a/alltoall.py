@@ -16,9 +16,11 @@ construction through ``a2a.backends.resolve``:
 and, for ``dispatch(quant=...)``, the ``quantize`` stage. Any prepare works with any transport:
 the plan is the contract (design.md, "prepare contract").
 
-Combine's reduction over k is defined once, here: the returned rows are scattered into zeros
-``[T*k, H]`` (FlashInfer's layout) and summed over k in float32, rounded once to the payload
-dtype, so the transports give bit-identical results.
+Combine's reduction over k has one order (``kernels.reference.sum_slots_in_order``: float32,
+slot order, rounded once to the payload dtype): the flashinfer and torch transports scatter the
+returned rows into zeros ``[T*k, H]`` (FlashInfer's layout) and reduce with
+:func:`sum_over_slots`; the Triton transport does the same adds in its receive kernel. So the
+transports give bit-identical results.
 
 Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, and freed by
 :meth:`MoEAlltoall.close`. The Triton transport makes one per transfer kind and row size

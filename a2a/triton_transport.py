@@ -20,11 +20,14 @@ receiving program needs just one flag. The local segment (q = me) takes the same
 dispatch: send = (send_rank_count_cumsum, send_rank_local_indices), recv =
 (recv_rank_count_cumsum, recv_rank_local_indices = identity); output rows past total_recv are
 zeroed by the receive kernel (spread over its programs).
-combine:  send = (recv_rank_count_cumsum, recv_rank_local_indices), recv =
-(send_rank_count_cumsum, backward_recv_rank_local_indices) into zeros ``[T*k, B]``; the caller
-reduces over k with ``a2a.alltoall.sum_over_slots``, so the result is bit-identical to the
-other transports by construction (a fused reduction would have to repeat torch's reduction
-order on each device; not done).
+combine:  send = (recv_rank_count_cumsum, recv_rank_local_indices), then either
+``triton_combine_rows``: recv = (send_rank_count_cumsum, backward_recv_rank_local_indices)
+into zeros ``[T*k, B]``, reduced by the caller (``a2a.alltoall.sum_over_slots``); or
+``triton_combine`` (what ``MoEAlltoall`` uses): ``_slot_map_kernel`` records where each slot's
+row comes back, and ``_reduce_kernel`` waits for every (source, chunk) flag and sums each
+token's k slots straight from the inbox, in slot order in float32 (the adds of
+``kernels.reference.sum_slots_in_order``), so the result is bit-identical to the other
+transports without the ``[T*k, B]`` buffer.
 
 The workspace
 -------------
