@@ -303,6 +303,11 @@ def test_flashinfer_limits_and_bad_ids_raise_everywhere():
     run_distributed(WORLD_SIZE, _limits_body, cuda=True)
 
 
+# Soak length: 1,000 steps by default (each step also runs the torch reference transport);
+# MOE_A2A_SOAK_STEPS=10000 runs the 10,000-iteration soak.
+SOAK_STEPS = int(os.environ.get("MOE_A2A_SOAK_STEPS", "1000"))
+
+
 def _triton_transport_soak_body(rank: int, world_size: int) -> None:
     device = torch.device(torch.accelerator.current_accelerator().type, rank)
     triton = MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
@@ -313,7 +318,7 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
                                       "quantize": "triton"})
     mismatches = []
     generator = torch.Generator().manual_seed(100 + rank)
-    for step in range(1000):
+    for step in range(SOAK_STEPS):
         tokens = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=generator))
         ids, weights = make_routing(rank, tokens, NUM_EXPERTS, TOP_K, seed=step,
                                     hot_rank=step % 3 - 1, padding=step % 2 == 1)
@@ -337,7 +342,7 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
     torch_ref.close()
 
 
-def test_triton_transport_soak_1000_iterations():
+def test_triton_transport_soak():
     run_distributed(WORLD_SIZE, _triton_transport_soak_body, cuda=True)
 
 
