@@ -45,6 +45,8 @@ def run_bench(args: list[str], out_dir, *, cpu: bool) -> tuple[str, dict]:
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = glob.glob(os.path.join(str(out_dir), "*.json"))
     return done.stdout, json.load(open(path))
+
+
 META_KEYS = {"gpu", "driver", "torch", "triton", "flashinfer", "date", "command", "limits"}
 
 TINY = Sweep(tokens=(3, 5), hidden=(32,), experts=(8,), top_k=(2,), routing=("uniform",))

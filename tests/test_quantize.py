@@ -1,8 +1,6 @@
 """Triton NVFP4 / MXFP8 / MXFP4 kernels against the torch oracle, bit-exactly; the a2a stage
 functions and FlashInfer adapters (GPU / Blackwell only)."""
 
-import os
-
 import pytest
 import torch
 
