@@ -69,7 +69,8 @@ a timeout the workspace is stale: make a new one (zeroed, counter 0) on every ra
 Co-residency: no program of the send kernel waits, and receive programs wait only for other
 ranks' send kernels. On one GPU per rank nothing has to be co-resident (any grid works). With
 R simulated ranks on one GPU, the spinning receive programs of all ranks must leave room for
-the send kernels: R * R * C programs well below the SM count (tests use a small
+the send kernels: R * R * C receive programs (or R * 2 * max_programs programs of the fused
+combine's reduce kernel) well within what the GPU holds at once (tests use a small
 ``max_programs``). Compilation waits for the device to be idle, so simulated ranks call
 :func:`warmup` first (as for ``a2a.triton_prepare``).
 
@@ -553,7 +554,7 @@ def warmup(device, *, ep_size: int, max_tokens_per_rank: int, row_bytes: int, to
     rows = torch.zeros((rows_total, row_bytes), dtype=torch.uint8, device=device)
     triton_combine_rows(rows, plan, workspace, call_counter=counter, check=False,
                         timeout_spins=0, max_programs=max_programs)
-    if row_bytes % 2 == 0:
+    if row_bytes % torch.empty((), dtype=combine_dtype).element_size() == 0:
         triton_combine(rows, plan, workspace, dtype=combine_dtype, call_counter=counter,
                        check=False, timeout_spins=0, max_programs=max_programs)
     if device.type == "cuda":

@@ -117,8 +117,8 @@ def _e4m3_code(x, HARDWARE: tl.constexpr):
 
 @triton.jit
 def _with_sign(magnitude, sign_bit):
-    """``magnitude`` (fp32, >= +0) negated where ``sign_bit`` (int) is nonzero, on the bits:
-    ``-x`` may compile to ``0 - x`` on the GPU, which turns -0 into +0."""
+    """``magnitude`` (fp32, >= +0) negated where ``sign_bit`` (int) is nonzero, on the bits.
+    ``-x`` turned -0 into +0 on an H200 with Triton 3.6 (seen; the interpreter kept -0)."""
     bits = magnitude.to(tl.uint32, bitcast=True) | tl.where(sign_bit != 0, 0x80000000, 0).to(
         tl.uint32)
     return bits.to(tl.float32, bitcast=True)
@@ -363,9 +363,7 @@ def _dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_ro
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     row_ok = (rows < num_rows)[:, None]
     mask = row_ok & (cols < hidden)[None, :]
-    # Each element loads its block's scale (element-shaped, L1 hits): no [rows, blocks] tensor
-    # broadcast into [rows, blocks, BLOCK]. That reshaped form gave wrong bf16 results on an
-    # H200 with Triton 3.6 at H = 7168 (right in the interpreter and at small H).
+    # Each element loads its block's scale (element-shaped, L1 hits), so no tensor is reshaped.
     sf = tl.load(scales_ptr + _scale_offsets(rows, cols // BLOCK, padded_blocks, LAYOUT),
                  mask=mask, other=0).to(tl.int32)
     if FORMAT == 2:
