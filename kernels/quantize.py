@@ -56,7 +56,7 @@ AMAX_TILE_COLS = 1024
 AMAX_TILE_ROWS = 8
 AMAX_NUM_WARPS = 8
 AMAX_PROGRAMS_PER_SM = 4
-AMAX_MAX_PROGRAMS = 1024  # the finishing program reduces at most this many partials
+AMAX_FINISH_BLOCK = 1024  # the finishing program reads the partials this many at a time
 _INTERPRETER_SMS = 4  # stands in for the SM count under TRITON_INTERPRET
 # Use the GPU's cvt.rn.satfinite.e4m3x2.f32 (via Triton's fp8 cast) for e4m3 on a GPU; tests
 # set it to False to check the software path on the GPU too.
@@ -180,14 +180,6 @@ def _scale_offsets(rows, blocks, padded_blocks, LAYOUT: tl.constexpr):
 
 
 @triton.jit
-def _pack_pairs(codes, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[BLOCK_ROWS, COLS] int32 codes -> [BLOCK_ROWS, COLS/2] uint8, element 2i low nibble."""
-    pairs = tl.reshape(codes, (BLOCK_ROWS, COLS // 2, 2))
-    low, high = tl.split(pairs)
-    return (low | (high << 4)).to(tl.uint8)
-
-
-@triton.jit
 def _load_tile(x_ptr, rows_ptr, row_start, col_start, num_rows, num_src_rows, hidden,
                stride_row, stride_col, HAS_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                COLS: tl.constexpr):
@@ -207,24 +199,70 @@ def _load_tile(x_ptr, rows_ptr, row_start, col_start, num_rows, num_src_rows, hi
     return x.to(tl.float32)
 
 
+@triton.jit
+def _load_pairs(words_ptr, rows_ptr, row_start, block_start, num_rows, num_src_rows,
+                num_blocks, stride_row, HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, PAIRS: tl.constexpr):
+    """Scale blocks [block_start, +BLOCKS) of rows [row_start, +BLOCK_ROWS) of x, read as
+    words of two elements (``words_ptr``: x viewed as int32 for bf16/fp16, int64 for fp32;
+    ``stride_row`` in words). Returns (lo, hi): fp32 [BLOCK_ROWS, BLOCKS, PAIRS], elements
+    2i and 2i + 1 of each block, plus the [BLOCK_ROWS] row mask and int64 word offsets
+    ``block * PAIRS + pair`` [1, BLOCKS, PAIRS] within a row (the packed FP4 byte offsets too).
+    Rows past num_rows, blocks past num_blocks and gathered ids outside [0, num_src_rows) read
+    zeros. Word loads keep each thread's elements contiguous, so the block reductions and the
+    nibble packing below need no data exchange between threads."""
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    blocks = block_start + tl.arange(0, BLOCKS)
+    row_ok = rows < num_rows
+    if HAS_ROWS:
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        row_ok = row_ok & (src >= 0) & (src < num_src_rows)
+    else:
+        src = rows.to(tl.int64)
+    words = (blocks.to(tl.int64) * PAIRS)[None, :, None] + tl.arange(0, PAIRS)[None, None, :]
+    mask = row_ok[:, None, None] & (blocks < num_blocks)[None, :, None]
+    w = tl.load(words_ptr + src[:, None, None] * stride_row + words, mask=mask, other=0)
+    if IN_KIND == 0:  # bf16: the fp32 bits are the bf16 bits followed by 16 zero bits
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    elif IN_KIND == 1:  # fp16
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # fp32 pairs in an int64
+        lo = w.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return lo, hi, row_ok, words
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _pair_amax(lo, hi):
+    """Per-block amax of [R, B, P] element pairs: [R, B]. NaN propagates, as in torch.amax
+    (``tl.max`` would skip it)."""
+    return tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)
+
+
 # =============================================================================================
 # Kernels
 # =============================================================================================
 
 @triton.jit
-def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_ptr,
-                           num_rows, num_src_rows, hidden, stride_row, stride_col,
+def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_ptr,
+                           num_rows, num_src_rows, hidden, stride_row,
                            padded_rows, padded_blocks,
-                           HAS_ROWS: tl.constexpr, LAYOUT: tl.constexpr,
-                           FAST_MATH: tl.constexpr,
+                           HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
+                           LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                            BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
-    COLS: tl.constexpr = BLOCKS * 16
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * BLOCKS
-    x = _load_tile(x_ptr, rows_ptr, row_start, block_start * 16, num_rows, num_src_rows,
-                   hidden, stride_row, stride_col, HAS_ROWS, BLOCK_ROWS, COLS)
-    x = tl.reshape(x, (BLOCK_ROWS, BLOCKS, 16))
-    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_ROWS, BLOCKS]
+    lo, hi, row_ok, words = _load_pairs(words_ptr, rows_ptr, row_start, block_start, num_rows,
+                                        num_src_rows, hidden // 16, stride_row, HAS_ROWS,
+                                        IN_KIND, BLOCK_ROWS, BLOCKS, 8)
+    amax = _pair_amax(lo, hi)  # [BLOCK_ROWS, BLOCKS]
     global_scale = tl.load(global_scale_ptr)
     if FAST_MATH:  # FlashInfer's default: sf = e4m3(gs * (a * rcp(6))), 1 / x = rcp(x)
         # rcp.approx(6) == f32(1/6) (test_gpu_rcp_approx_constants_equal_ieee), so the
@@ -239,8 +277,9 @@ def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_pt
     if FAST_MATH:
         # rcp.approx through inline PTX on the element-shaped tensor: on the block-shaped
         # (sliced-layout) tensor the same asm gave run-to-run different results on H200.
-        sf_elements = tl.broadcast_to(sf_float[:, :, None], (BLOCK_ROWS, BLOCKS, 16))
-        gs_elements = tl.full((BLOCK_ROWS, BLOCKS, 16), 1.0, tl.float32) * global_scale
+        shape: tl.constexpr = (BLOCK_ROWS, BLOCKS, 8)
+        sf_elements = tl.broadcast_to(sf_float[:, :, None], shape)
+        gs_elements = tl.full(shape, 1.0, tl.float32) * global_scale
         out_scale = _rcp_approx(sf_elements * _rcp_approx(gs_elements))
         out_scale = tl.where(amax[:, :, None] == 0, 0.0, out_scale)
     else:
@@ -249,13 +288,11 @@ def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_pt
                                               sf_float * decode),
                                _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
         out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
-    codes = _e2m1_code(x * out_scale)
-    packed = _pack_pairs(tl.reshape(codes, (BLOCK_ROWS, COLS)), BLOCK_ROWS, COLS)
-
+    # Byte i of a packed row holds elements 2i (low nibble) and 2i + 1: word i of x.
+    packed = (_e2m1_code(lo * out_scale) | (_e2m1_code(hi * out_scale) << 4)).to(tl.uint8)
     rows = row_start + tl.arange(0, BLOCK_ROWS)
-    half_cols = block_start * 8 + tl.arange(0, COLS // 2)
-    out_mask = (rows < num_rows)[:, None] & (half_cols < hidden // 2)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * (hidden // 2) + half_cols[None, :], packed,
+    out_mask = (rows < num_rows)[:, None, None] & (words < hidden // 2)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2) + words, packed,
              mask=out_mask)
     # Scales: rows up to the padded row count, blocks up to the padded block count; the
     # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
@@ -266,49 +303,49 @@ def _nvfp4_quantize_kernel(x_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_pt
 
 
 @triton.jit
-def _mx_quantize_kernel(x_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_row, stride_col,
-                        FP4: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_row,
+                        IN_KIND: tl.constexpr, FP4: tl.constexpr,
+                        HARDWARE_E4M3: tl.constexpr,
                         BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
-    COLS: tl.constexpr = BLOCKS * 32
+    """FP4: out is [M, H/2] uint8 (byte i = elements 2i, 2i + 1); else out is [M, H/2] uint16
+    (the e4m3 bytes of elements 2i, 2i + 1, little-endian)."""
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * BLOCKS
-    x = _load_tile(x_ptr, x_ptr, row_start, block_start * 32, num_rows, num_rows, hidden,
-                   stride_row, stride_col, False, BLOCK_ROWS, COLS)
-    x = tl.reshape(x, (BLOCK_ROWS, BLOCKS, 32))
-    amax = tl.max(tl.abs(x), axis=2)
-    rows = row_start + tl.arange(0, BLOCK_ROWS)
-    row_ok = (rows < num_rows)[:, None]
+    num_blocks = hidden // 32
+    lo, hi, row_ok, words = _load_pairs(words_ptr, words_ptr, row_start, block_start, num_rows,
+                                        num_rows, num_blocks, stride_row, False, IN_KIND,
+                                        BLOCK_ROWS, BLOCKS, 16)
+    amax = _pair_amax(lo, hi)
     if FP4:  # e8m0(a * f32(1/6)); scale 0 for a zero block, 1 for code 0
         sf = _e8m0_code(amax * _INV6)
         out_scale = tl.where(sf == 0, 1.0, _e8m0_inverse(sf))
-        out_scale = tl.where(amax == 0, 0.0, out_scale)
-        codes = _e2m1_code(x * out_scale[:, :, None])
-        packed = _pack_pairs(tl.reshape(codes, (BLOCK_ROWS, COLS)), BLOCK_ROWS, COLS)
-        half_cols = block_start * 16 + tl.arange(0, COLS // 2)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * (hidden // 2) + half_cols[None, :],
-                 packed, mask=row_ok & (half_cols < hidden // 2)[None, :])
+        out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
+        pair = (_e2m1_code(lo * out_scale) | (_e2m1_code(hi * out_scale) << 4)).to(tl.uint8)
     else:  # e8m0(a * f32(1/448)); code 0 scales by 0; clamp to +-448, NaN -> +448
         sf = _e8m0_code(amax * _INV448)
-        out_scale = tl.where(sf == 0, 0.0, _e8m0_inverse(sf))
-        y = x * out_scale[:, :, None]
-        y = tl.where(y != y, _E4M3_MAX, tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX))
-        codes = _e4m3_code(y, HARDWARE_E4M3).to(tl.uint8)
-        cols = block_start * 32 + tl.arange(0, COLS)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
-                 tl.reshape(codes, (BLOCK_ROWS, COLS)), mask=row_ok & (cols < hidden)[None, :])
+        out_scale = tl.where(sf == 0, 0.0, _e8m0_inverse(sf))[:, :, None]
+        lo = lo * out_scale
+        hi = hi * out_scale
+        lo = tl.where(lo != lo, _E4M3_MAX, tl.minimum(tl.maximum(lo, -_E4M3_MAX), _E4M3_MAX))
+        hi = tl.where(hi != hi, _E4M3_MAX, tl.minimum(tl.maximum(hi, -_E4M3_MAX), _E4M3_MAX))
+        pair = (_e4m3_code(lo, HARDWARE_E4M3) | (_e4m3_code(hi, HARDWARE_E4M3) << 8)).to(
+            tl.uint16)
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2) + words, pair,
+             mask=row_ok[:, None, None] & (words < hidden // 2))
     blocks = block_start + tl.arange(0, BLOCKS)
-    num_blocks = hidden // 32
     tl.store(scales_ptr + rows.to(tl.int64)[:, None] * num_blocks + blocks[None, :],
-             sf.to(tl.uint8), mask=row_ok & (blocks < num_blocks)[None, :])
+             sf.to(tl.uint8), mask=row_ok[:, None] & (blocks < num_blocks)[None, :])
 
 
 @triton.jit
 def _amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride_col,
                          tiles_per_program, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Persistent pass 1 of the global scale: program p folds |x| over tiles p, p + P, p + 2P,
-    ... (P = the grid) into a register tile and writes its max to partial[p]. No atomics, no
-    zeroed workspace, so no fill launches; max is order-independent (deterministic). A tile
-    index past the last tile starts past the last row, so its load is fully masked."""
+    """Pass 1 of the global scale: program p folds |x| over tiles p, p + P, p + 2P, ... (P = the
+    grid) into a register tile and writes its max to partial[p]. No atomics, no zeroed
+    workspace, so no fill launches; max is order-independent (deterministic) and propagates
+    NaN as torch.amax does. A tile index past the last tile starts past the last row, so its
+    load is fully masked."""
     col_tiles = tl.cdiv(hidden, COLS)
     acc = tl.zeros((BLOCK_ROWS, COLS), tl.float32)
     step = 0
@@ -317,17 +354,23 @@ def _amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, strid
         x = _load_tile(x_ptr, x_ptr, (tile // col_tiles) * BLOCK_ROWS, (tile % col_tiles) * COLS,
                        num_rows, num_rows, hidden, stride_row, stride_col, False, BLOCK_ROWS,
                        COLS)
-        acc = tl.maximum(acc, tl.abs(x))
+        acc = _max_nan(acc, tl.abs(x))
         step += 1
-    tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(acc, axis=1), axis=0))
+    tl.store(partial_ptr + tl.program_id(0), tl.reduce(tl.reduce(acc, 1, _max_nan), 0, _max_nan))
 
 
 @triton.jit
 def _global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr):
-    """Pass 2 (one program): amax = max(partial[:num_partials]); out = 448 * 6 / amax with an
-    IEEE division, 1.0 when amax == 0 (or num_partials == 0)."""
+    """Pass 2 (one program): amax = max(partial[:num_partials]), read BLOCK at a time;
+    out = 448 * 6 / amax with an IEEE division, 1.0 when amax == 0 (or num_partials == 0)."""
     offsets = tl.arange(0, BLOCK)
-    amax = tl.max(tl.load(partial_ptr + offsets, mask=offsets < num_partials, other=0.0), axis=0)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    start = 0
+    while start < num_partials:
+        acc = _max_nan(acc, tl.load(partial_ptr + start + offsets,
+                                    mask=start + offsets < num_partials, other=0.0))
+        start += BLOCK
+    amax = tl.reduce(acc, 0, _max_nan)
     scale = tl.math.div_rn(tl.full((), _GLOBAL_NUMERATOR, tl.float32), amax)
     tl.store(out_ptr, tl.where(amax == 0, 1.0, scale))
 
@@ -420,6 +463,22 @@ def _check_out(name: str, out: Optional[torch.Tensor], shape: tuple, dtype: torc
     return out
 
 
+# x's dtype -> (IN_KIND of the kernels, the integer dtype of one word of two elements)
+_PAIR_VIEWS = {torch.bfloat16: (0, torch.int32), torch.float16: (1, torch.int32),
+               torch.float32: (2, torch.int64)}
+
+
+def _as_pairs(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """x [M, H] (H even) viewed as [M, H/2] words of two elements, for ``_load_pairs``:
+    (words, row stride in words, IN_KIND). x is copied first when its rows are not runs of
+    whole words (column stride != 1, an odd row stride or an odd storage offset)."""
+    in_kind, word = _PAIR_VIEWS[x.dtype]
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+        x = torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+    words = x.view(word)
+    return words, words.stride(0), in_kind
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda" or _interpreting():
@@ -439,7 +498,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     cols = min(AMAX_TILE_COLS, triton.next_power_of_2(max(hidden, 1)))
     block_rows = max(AMAX_TILE_ROWS, AMAX_TILE_ROWS * AMAX_TILE_COLS // cols)
     num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
-    num_programs = min(num_tiles, AMAX_PROGRAMS_PER_SM * _num_sms(x.device), AMAX_MAX_PROGRAMS)
+    num_programs = min(num_tiles, AMAX_PROGRAMS_PER_SM * _num_sms(x.device))
     partial = torch.empty(max(num_programs, 1), dtype=torch.float32, device=x.device)
     if num_programs:
         _amax_partial_kernel[(num_programs,)](x, partial, num_rows, hidden, x.stride(0),
@@ -447,7 +506,8 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
                                               BLOCK_ROWS=block_rows, COLS=cols,
                                               num_warps=AMAX_NUM_WARPS)
     _global_scale_finish_kernel[(1,)](partial, out, num_programs,
-                                      BLOCK=triton.next_power_of_2(max(num_programs, 1)),
+                                      BLOCK=min(AMAX_FINISH_BLOCK,
+                                                triton.next_power_of_2(max(num_programs, 1))),
                                       num_warps=4)
     return out
 
@@ -458,7 +518,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
                    rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_nvfp4``.
 
-    x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides.
+    x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides (read in place when its rows are
+        runs of whole element pairs, the usual case; else copied to a contiguous tensor first).
     global_scale: [1] fp32 encode scale on x's device (read by the kernel, no sync).
     layout: "linear", "swizzled_128x4" or "8x4"; the kernel writes this layout directly and
         zeroes its padding.
@@ -490,29 +551,34 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     grid = (triton.cdiv(padded_rows, block_rows), triton.cdiv(padded_blocks, blocks))
     if grid[0] * grid[1] == 0:
         return out, out_scales
+    words, stride_row, in_kind = _as_pairs(x)
     _nvfp4_quantize_kernel[grid](
-        x, rows if rows is not None else x, global_scale, out, out_scales,
-        num_rows, num_src_rows, hidden, x.stride(0), x.stride(1), padded_rows, padded_blocks,
-        HAS_ROWS=rows is not None, LAYOUT=LAYOUT_IDS[layout], FAST_MATH=fast_math,
-        BLOCK_ROWS=block_rows, BLOCKS=blocks,
+        words, rows if rows is not None else words, global_scale, out, out_scales,
+        num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
+        HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
+        FAST_MATH=fast_math, BLOCK_ROWS=block_rows, BLOCKS=blocks,
         num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out, out_scales
 
 
 def _quantize_mx(x: torch.Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of MXFP4 (values [M, H/2] uint8) or MXFP8 (values [M, H] uint8)."""
     _check_quant_input(x, MX_BLOCK)
     num_rows, hidden = x.shape
-    values = torch.empty((num_rows, hidden // 2 if fp4 else hidden), dtype=torch.uint8,
-                         device=x.device)
+    # MXFP8 writes the two e4m3 bytes of each element pair as one uint16.
+    pairs = torch.empty((num_rows, hidden // 2), dtype=torch.uint8 if fp4 else torch.uint16,
+                        device=x.device)
     scales = torch.empty((num_rows, hidden // MX_BLOCK), dtype=torch.uint8, device=x.device)
     block_rows, blocks = _tile(hidden // MX_BLOCK, MX_BLOCK)
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // MX_BLOCK, blocks))
     if grid[0] * grid[1]:
-        _mx_quantize_kernel[grid](x, values, scales, num_rows, hidden, x.stride(0), x.stride(1),
-                                  FP4=fp4, HARDWARE_E4M3=_hardware_e4m3(x.device),
+        words, stride_row, in_kind = _as_pairs(x)
+        _mx_quantize_kernel[grid](words, pairs, scales, num_rows, hidden, stride_row,
+                                  IN_KIND=in_kind, FP4=fp4,
+                                  HARDWARE_E4M3=_hardware_e4m3(x.device),
                                   BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=NUM_WARPS,
                                   enable_fp_fusion=False)
-    return values, scales
+    return pairs.view(torch.uint8), scales
 
 
 def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,6 +84,40 @@ def test_non_contiguous_input(device, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_views(device, seed, dtype):
+    """The kernels read x as words of two elements: views whose rows are runs of whole words
+    are read in place, the others (odd row stride or offset, transposed) copied first."""
+    big = _hard_input(12, 99, dtype, device)
+    views = {"column offset 32": big[:, 32:96], "odd offset and row stride": big[:, 1:65],
+             "transposed": _hard_input(32, 16, dtype, device).t(),
+             "every other row": big[::2, :64], "one row": big[3:4, 33:97]}
+    for name, x in views.items():
+        gs = R.nvfp4_global_scale(x)
+        assert torch.equal(Q.nvfp4_global_scale(x), gs), name
+        for layout in R.SCALE_LAYOUTS:
+            _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+                         R.quantize_nvfp4(x.contiguous(), gs, layout=layout))
+        _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x.contiguous()))
+        _assert_same(Q.quantize_mxfp4(x), R.quantize_mxfp4(x.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_input_matches_reference(device, seed, dtype):
+    """A NaN element makes its block's amax NaN (as torch.amax), and the global amax."""
+    x = _hard_input(9, 64, dtype, device)
+    x[5, 3] = float("nan")
+    x[7, 40] = float("nan")
+    gs = torch.full((1,), 3.0, device=device)
+    assert torch.equal(Q.nvfp4_global_scale(x).isnan(), R.nvfp4_global_scale(x).isnan())
+    assert bool(Q.nvfp4_global_scale(x).isnan())
+    for layout in R.SCALE_LAYOUTS:
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+                     R.quantize_nvfp4(x, gs, layout=layout))
+    _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
+    _assert_same(Q.quantize_mxfp4(x), R.quantize_mxfp4(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_rows", [0, 7, 129])
 def test_mx_match_reference(device, seed, dtype, num_rows):
     x = _hard_input(num_rows, 64, dtype, device)

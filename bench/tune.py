@@ -1,0 +1,209 @@
+"""``python -m bench.tune``: time the launch-rule variants of the Triton kernels on one GPU.
+
+The launch rules of the quantize and routing kernels are module constants (``kernels.quantize``:
+TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``:
+ELEMENTS_PER_PROGRAM / NUM_WARPS / COMPACT_DEFAULT / SIGMOID_RCP_RN, through ``_launch``'s
+overrides). This tool sets each variant in turn, checks its output bit for bit against the
+torch oracle, and times it the way ``python -m bench`` times that stage (quantize: eager calls
+after an L2 flush; routing: CUDA-graph replay), next to FlashInfer where it has the op. The
+committed defaults are the best rows of such a run, and the JSON it writes
+(``bench/results/tune-<gpu>-<time>.json``) is the record of that choice.
+
+    python -m bench.tune                     # every kernel
+    python -m bench.tune --only nvfp4,routing
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from bench.report import gpu_name
+from bench.timing import time_eager, time_graph
+
+SEED = 0
+BIG, SMALL = (8192, 7168), (128, 7168)
+
+
+@dataclass
+class Case:
+    """One op on one shape: ``run(knobs)`` returns the output tensors for a variant's knobs,
+    ``expected`` the oracle's; ``graph`` picks the clock."""
+
+    name: str
+    run: Callable[[dict], tuple]
+    expected: Callable[[], tuple]
+    variants: list[dict]
+    graph: bool = False
+    others: dict[str, Callable[[], object]] = field(default_factory=dict)  # e.g. FlashInfer
+
+
+@contextmanager
+def _module_constants(module, values: dict):
+    """Set ``module.NAME = value`` for the constants in ``values``, restore them after."""
+    saved = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _grid(**axes) -> list[dict]:
+    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+
+
+def _quantize_cases(device) -> list[Case]:
+    from kernels import quantize as Q
+    from kernels import reference as R
+    generator = torch.Generator(device="cpu").manual_seed(SEED)
+    tiles = [dict()] + _grid(TILE_ELEMENTS=[2048, 4096, 8192, 16384], NUM_WARPS=[4, 8],
+                             MAX_BLOCKS_PER_PROGRAM=[32, 64])
+    # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
+    amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
+                            AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])
+    cases = []
+    for rows, hidden in (BIG, SMALL):
+        x = (torch.randn(rows, hidden, generator=generator) * 3).to(torch.bfloat16).to(device)
+        gs = R.nvfp4_global_scale(x)
+
+        def with_knobs(fn):
+            def run(knobs):
+                with _module_constants(Q, knobs):
+                    return fn()
+            return run
+
+        for layout in ("linear", "swizzled_128x4") if rows == BIG[0] else ("linear",):
+            cases.append(Case(
+                f"nvfp4_{layout} [{rows},{hidden}]",
+                with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
+                                                                              layout=layout)),
+                lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
+                tiles))
+        if rows == BIG[0]:
+            cases.append(Case(f"mxfp8 [{rows},{hidden}]",
+                              with_knobs(lambda x=x: Q.quantize_mxfp8(x)),
+                              lambda x=x: R.quantize_mxfp8(x), tiles))
+        cases.append(Case(f"global_scale [{rows},{hidden}]",
+                          with_knobs(lambda x=x: (Q.nvfp4_global_scale(x),)),
+                          lambda x=x: (R.nvfp4_global_scale(x),), amax))
+    return cases
+
+
+def _routing_cases(device) -> list[Case]:
+    from a2a.routing import route_topk
+    from kernels import reference as R
+    from kernels import routing as K
+    generator = torch.Generator(device="cpu").manual_seed(SEED)
+    variants = [dict()] + _grid(rows_per_program=[1, 2, 4], num_warps=[1, 2],
+                                compact=[K.COMPACT_NONE, K.COMPACT_RELOAD],
+                                SIGMOID_RCP_RN=[True, False])
+    cases = []
+    for tokens in (8192, 16):
+        logits = torch.randn(tokens, 256, generator=generator).to(device)
+        bias = (torch.randn(256, generator=generator) * 0.1).to(device)
+        args = (logits, 8, "deepseek_v3")
+        kwargs = dict(bias=bias, num_groups=8, topk_groups=4, routed_scaling=2.5)
+
+        def run(knobs, logits=logits, bias=bias):
+            knobs = dict(knobs)
+            constants = {"SIGMOID_RCP_RN": knobs.pop("SIGMOID_RCP_RN", K.SIGMOID_RCP_RN)}
+            with _module_constants(K, constants):
+                return K._launch(logits, 8, "deepseek_v3", bias, 8, 4, 2.5, **knobs)
+
+        cases.append(Case(
+            f"deepseek_v3 T={tokens} E=256 k=8 groups 8/4", run,
+            lambda args=args, kwargs=kwargs: R.route_topk(*args, **kwargs), variants,
+            graph=True,
+            others={"flashinfer": lambda args=args, kwargs=kwargs: route_topk(
+                *args, **kwargs, backend="flashinfer")}))
+    softmax = torch.randn(8192, 128, generator=generator).to(device)
+    cases.append(Case(
+        "softmax_topk T=8192 E=128 k=4",
+        lambda knobs: K._launch(softmax, 4, "softmax_topk", None, 1, 1, 1.0, **knobs),
+        lambda: R.route_topk(softmax, 4, "softmax_topk"),
+        [dict()] + _grid(rows_per_program=[1, 2, 4], num_warps=[1, 2]), graph=True))
+    return cases
+
+
+def _same(actual: tuple, expected: tuple, ids_only: bool) -> bool:
+    """Bit-equal outputs (routing: the ids; its weights are checked by the tests)."""
+    pairs = list(zip(actual, expected))[:1] if ids_only else zip(actual, expected)
+    return all(a.shape == e.shape and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1
+                                                  else a, e.view(torch.uint8)
+                                                  if e.dtype.itemsize == 1 else e)
+               for a, e in pairs)
+
+
+def _time(fn, graph: bool) -> float:
+    return (time_graph(fn) if graph else time_eager(fn)).median_us
+
+
+def run_case(case: Case) -> list[dict]:
+    expected = case.expected()
+    rows = []
+    for name, fn in case.others.items():
+        try:
+            rows.append(dict(case=case.name, variant=name, ok=True, time_us=_time(fn, case.graph)))
+        except Exception as error:  # noqa: BLE001 - reported, the sweep goes on
+            rows.append(dict(case=case.name, variant=name, ok=False, error=str(error)[:200]))
+    for knobs in case.variants:
+        label = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+        try:
+            ok = _same(case.run(knobs), expected, ids_only=case.graph)
+            time_us = _time(lambda knobs=knobs: case.run(knobs), case.graph) if ok else None
+            rows.append(dict(case=case.name, variant=label, ok=ok, time_us=time_us))
+        except Exception as error:  # noqa: BLE001
+            rows.append(dict(case=case.name, variant=label, ok=False, error=str(error)[:200]))
+        row = rows[-1]
+        print(f"{case.name:40s} {label:90s} {'ok' if row['ok'] else 'FAIL'} "
+              f"{row.get('time_us') or 0:9.2f} {row.get('error', '')}", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="nvfp4,mxfp8,global_scale,routing",
+                        help="comma-separated: nvfp4, mxfp8, global_scale, routing")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench.tune times kernels on a GPU; none is visible")
+    device = torch.device("cuda", 0)
+    wanted = args.only.split(",")
+    cases = [c for c in _quantize_cases(device) + _routing_cases(device)
+             if any(c.name.startswith(w) or (w == "routing" and "T=" in c.name) for w in wanted)]
+    rows = [row for case in cases for row in run_case(case)]
+    stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    gpu = gpu_name(device)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"tune-{gpu.lower().replace(' ', '-')}-{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(dict(gpu=gpu, date=stamp, torch=torch.__version__, rows=rows), f, indent=1)
+    best = {}
+    for row in rows:
+        if row["ok"] and row.get("time_us") and row["variant"] not in ("flashinfer",):
+            if row["case"] not in best or row["time_us"] < best[row["case"]]["time_us"]:
+                best[row["case"]] = row
+    print("\nbest per case:")
+    for case, row in best.items():
+        default = next((r for r in rows if r["case"] == case and r["variant"] == "default"), None)
+        print(f"  {case:40s} {row['time_us']:8.2f} us  {row['variant']}"
+              + (f"  (default {default['time_us']:.2f})" if default and default.get("time_us")
+                 else ""))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
