@@ -236,7 +236,7 @@ def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
                                           barrier=ctx.barrier))
         # Graph replay only for the paths that declare themselves free of host syncs: a
         # capture attempted on any other path would fail (and is never tried).
-        return time_gpu(path.run, graph=stage.graph and path.capture_safe)
+        return time_gpu(path.run, graph=stage.graph and path.capture_safe, flush=stage.flush)
 
 
 def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,

@@ -5,8 +5,9 @@ Three clocks, one result type (:class:`Timing`, microseconds):
 - :func:`time_gpu`: :func:`time_eager` (do_bench's scheme, L2 flushed before each call, with
   a capped call count), or
   :func:`time_graph` (CUDA-graph replay, for launch-bound paths declared capture-safe; a failed
-  capture is ended and torch's CUDA generator repaired, never left half-captured); both give
-  the median and the 20th / 80th percentiles.
+  capture is ended and torch's CUDA generator repaired, never left half-captured), or
+  :func:`time_graph_flushed` (the same with an L2 flush before each call, the flush's own time
+  subtracted); all give the median and the 20th / 80th percentiles.
 - :func:`time_fixed`: a fixed number of event-timed calls, for collectives: every rank must call
   the op the same number of times (``do_bench`` picks its count from a first estimate, which
   differs per rank and would deadlock). ``before`` / ``after`` run untimed around each call
@@ -34,7 +35,9 @@ LOW_Q, HIGH_Q = 0.2, 0.8
 # one call) flushes L2 tens of thousands of times around a microsecond kernel, seconds per row.
 WARMUP_MS, REP_MS = 10, 50
 MIN_EAGER_CALLS, MAX_EAGER_CALLS = 10, 200
-# Zeroed before each eagerly timed call to evict L2 (50 MB on H100/H200), as do_bench does.
+# Read before each eagerly timed call to evict L2 (50 MB on H100/H200). do_bench zeroes its
+# buffer instead, which leaves L2 full of dirty lines that the timed kernel then pays to
+# write back (about 50 MB, ~12 us at H200's bandwidth); reading leaves clean lines.
 FLUSH_BYTES = 256 << 20
 # CUDA-graph timing: one replay runs enough calls to last about GRAPH_REPLAY_MS (launch-bound
 # calls of a few microseconds: hundreds per replay, capped at MAX_CALLS_PER_GRAPH), sized from
@@ -78,14 +81,15 @@ class CaptureFailed(RuntimeError):
     """A CUDA-graph capture of the timed call failed (it synced or otherwise touched the host)."""
 
 
-def time_gpu(fn: Callable[[], object], *, graph: bool = False) -> Timing:
+def time_gpu(fn: Callable[[], object], *, graph: bool = False, flush: bool = False) -> Timing:
     """Time ``fn`` on the current GPU: :func:`time_eager` (L2 flushed before each call), or, with
     ``graph=True``, CUDA-graph replay (:func:`time_graph`, for launch-bound paths declared
-    capture-safe, i.e. free of host syncs). A capture that fails anyway is cleaned up (see
+    capture-safe, i.e. free of host syncs; with ``flush=True`` each call in the graph follows
+    an L2 flush, :func:`time_graph_flushed`). A capture that fails anyway is cleaned up (see
     :func:`time_graph`) and the call is timed eagerly; ``remark`` says so."""
     if graph:
         try:
-            return time_graph(fn)
+            return time_graph_flushed(fn) if flush else time_graph(fn)
         except CaptureFailed as error:
             timing = time_eager(fn)
             return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.method,
@@ -97,14 +101,20 @@ def time_gpu(fn: Callable[[], object], *, graph: bool = False) -> Timing:
 _FLUSH: dict = {}
 
 
+def _flusher(device: torch.device) -> Callable[[], object]:
+    """A call that evicts L2 by reading :data:`FLUSH_BYTES` (a sum), one buffer per device."""
+    if device not in _FLUSH:
+        _FLUSH[device] = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    buffer = _FLUSH[device]
+    return lambda: torch.sum(buffer)
+
+
 def time_eager(fn: Callable[[], object], *, warmup_ms: float = WARMUP_MS,
                rep_ms: float = REP_MS) -> Timing:
     """do_bench's scheme with a capped call count: warm-up calls, then each call between its
-    own CUDA events, after zeroing :data:`FLUSH_BYTES` so that it starts with a cold L2."""
+    own CUDA events, after reading :data:`FLUSH_BYTES` so that it starts with a cold L2."""
     device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _FLUSH:
-        _FLUSH[device] = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    flush = _FLUSH[device]
+    flush = _flusher(device)
     fn()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,7 +130,7 @@ def time_eager(fn: Callable[[], object], *, warmup_ms: float = WARMUP_MS,
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
     for begin, finish in zip(starts, ends):
-        flush.zero_()
+        flush()
         begin.record()
         fn()
         finish.record()
@@ -213,6 +223,44 @@ def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
     del many
     torch.cuda.synchronize(device)
     return _from_samples(times, "cuda_graph")
+
+
+def time_graph_flushed(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
+                       samples: int = GRAPH_SAMPLES) -> Timing:
+    """Like :func:`time_graph`, each call preceded by the L2 flush of :func:`time_eager`: a
+    sample is (one replay of ``n`` x (flush, call) - one replay of ``n`` x flush) / ``n``, both
+    graphs replayed alternately. The kernel's time from a cold L2 without the host's launch
+    cost, for short kernels whose eager timing would show the host."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = _flusher(device)
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize(device)
+    rng_state = torch.cuda.get_rng_state(device)
+
+    def flushed_call():
+        flush()
+        fn()
+
+    try:
+        one = _capture(flushed_call, 1, stream)
+        estimate_ms = _replay_ms(one, stream, GRAPH_ESTIMATE_REPLAYS)
+        del one
+        calls = int(max(1, min(MAX_CALLS_PER_GRAPH, round(replay_ms / max(estimate_ms, 1e-4)))))
+        with_calls = _capture(flushed_call, calls, stream)
+    except CaptureFailed:
+        _recover_from_failed_capture(device, stream, rng_state)
+        raise
+    flushes = _capture(flush, calls, stream)
+    _replay_ms(with_calls, stream, 1)
+    _replay_ms(flushes, stream, 1)
+    times = [(_replay_ms(with_calls, stream, 1) - _replay_ms(flushes, stream, 1)) / calls
+             for _ in range(samples)]
+    del with_calls, flushes
+    torch.cuda.synchronize(device)
+    return _from_samples(times, "cuda_graph_l2_flushed")
 
 
 def _replay_ms(cuda_graph, stream, replays: int) -> float:

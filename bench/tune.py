@@ -1,11 +1,11 @@
 """``python -m bench.tune``: time the launch-rule variants of the Triton kernels on one GPU.
 
 The launch rules of the quantize and routing kernels are module constants (``kernels.quantize``:
-TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``:
-ELEMENTS_PER_PROGRAM / NUM_WARPS / COMPACT_DEFAULT / SIGMOID_RCP_RN, through ``_launch``'s
-overrides). This tool sets each variant in turn, checks its output bit for bit against the
-torch oracle, and times it the way ``python -m bench`` times that stage (quantize: eager calls
-after an L2 flush; routing: CUDA-graph replay), next to FlashInfer where it has the op. The
+TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``: the rows per
+program, warps and COMPACT mode, through ``_launch``'s overrides). This tool sets each variant
+in turn, checks its output bit for bit against the torch oracle (routing: the ids), and times
+it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize with an L2 flush
+before each call), next to FlashInfer where it has the op. The
 committed defaults are the best rows of such a run, and the JSON it writes
 (``bench/results/tune-<gpu>-<time>.json``) is the record of that choice.
 
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from bench.report import gpu_name
-from bench.timing import time_eager, time_graph
+from bench.timing import time_graph, time_graph_flushed
 
 SEED = 0
 BIG, SMALL = (8192, 7168), (128, 7168)
@@ -37,7 +37,8 @@ BIG, SMALL = (8192, 7168), (128, 7168)
 @dataclass
 class Case:
     """One op on one shape: ``run(knobs)`` returns the output tensors for a variant's knobs,
-    ``expected`` the oracle's; ``graph`` picks the clock."""
+    ``expected`` the oracle's; ``graph``: plain CUDA-graph replay, else replay with an L2 flush
+    before each call."""
 
     name: str
     run: Callable[[dict], tuple]
@@ -107,8 +108,7 @@ def _routing_cases(device) -> list[Case]:
     from kernels import routing as K
     generator = torch.Generator(device="cpu").manual_seed(SEED)
     variants = [dict()] + _grid(rows_per_program=[1, 2, 4], num_warps=[1, 2],
-                                compact=[K.COMPACT_NONE, K.COMPACT_RELOAD],
-                                SIGMOID_RCP_RN=[True, False])
+                                compact=[K.COMPACT_NONE, K.COMPACT_GATHER, K.COMPACT_RELOAD])
     cases = []
     for tokens in (8192, 16):
         logits = torch.randn(tokens, 256, generator=generator).to(device)
@@ -117,10 +117,7 @@ def _routing_cases(device) -> list[Case]:
         kwargs = dict(bias=bias, num_groups=8, topk_groups=4, routed_scaling=2.5)
 
         def run(knobs, logits=logits, bias=bias):
-            knobs = dict(knobs)
-            constants = {"SIGMOID_RCP_RN": knobs.pop("SIGMOID_RCP_RN", K.SIGMOID_RCP_RN)}
-            with _module_constants(K, constants):
-                return K._launch(logits, 8, "deepseek_v3", bias, 8, 4, 2.5, **knobs)
+            return K._launch(logits, 8, "deepseek_v3", bias, 8, 4, 2.5, **knobs)
 
         cases.append(Case(
             f"deepseek_v3 T={tokens} E=256 k=8 groups 8/4", run,
@@ -147,7 +144,7 @@ def _same(actual: tuple, expected: tuple, ids_only: bool) -> bool:
 
 
 def _time(fn, graph: bool) -> float:
-    return (time_graph(fn) if graph else time_eager(fn)).median_us
+    return (time_graph(fn) if graph else time_graph_flushed(fn)).median_us
 
 
 def run_case(case: Case) -> list[dict]:

@@ -11,18 +11,23 @@ Hopper (SM90) and Blackwell alike, and on CPU under ``TRITON_INTERPRET=1``:
   ``enable_fp_fusion=False`` so that ``x * scale`` is rounded before that add (an FMA would
   round once and break the tie rules).
 - e4m3 (RNE, satfinite): integer rounding of the fp32 bits to 3 mantissa bits, the magic add
-  for the subnormal range. For MXFP8 elements on a GPU ``_HARDWARE_E4M3`` lets it use
-  Triton's fp32 -> fp8e4nv cast instead, which Triton 3.6 lowers to
-  ``cvt.rn.satfinite.e4m3x2.f32`` on SM89+ (the same RNE-satfinite); the interpreter's cast is
-  not RNE, so it always takes the software path. NVFP4 scales always take the software path:
-  on H200 the hardware cast of the block-reduced scale tensor gave wrong codes for fp32 input
-  (seen with Triton 3.6: whole rows of scales 0x00 and sign-flipped element codes).
+  for the subnormal range. For MXFP8 elements on a GPU ``_HARDWARE_E4M3`` uses
+  ``cvt.rn.satfinite.e4m3x2.f32`` (SM89+, the same RNE-satfinite) through inline PTX, one
+  instruction per element pair. Not Triton's fp32 -> fp8e4nv cast: on H200 (Triton 3.6) it
+  gave wrong codes on the block-reduced scale tensor (whole rows of scales 0x00,
+  sign-flipped element codes) and, on the pair tensors of the word-reading kernel, wrong
+  MXFP8 bytes. NVFP4 scales always take the software path.
 - divisions use ``tl.math.div_rn`` (Triton's ``/`` is approximate on the GPU).
 
-Launch rule (fixed, no autotune): a program quantizes a tile of ``BLOCK_ROWS`` rows by
-``BLOCKS`` scale blocks (up to 32 blocks = 512 NVFP4 elements = 1 KiB of bf16 per row, 16-byte
-vector loads), about 4096 elements per program with 4 warps; the grid covers rows x blocks,
-padded to the swizzled tile so that the same programs write the zero padding of the scales.
+x is read as words of two elements (int32 for bf16/fp16, int64 for fp32; ``_as_pairs``): a
+word's two elements become two fp32 values by bit operations, and their two codes one packed
+byte (FP4) or one uint16 (MXFP8) at the word's index, so no tensor is split or reshaped.
+
+Launch rule (fixed, no autotune; ``python -m bench.tune`` times the alternatives): a program
+quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks (up to
+MAX_BLOCKS_PER_PROGRAM), about TILE_ELEMENTS elements with NUM_WARPS warps; the grid covers
+rows x blocks, padded to the swizzled tile so that the same programs write the zero padding
+of the scales.
 """
 
 from __future__ import annotations
@@ -84,25 +89,21 @@ def _rcp_approx(x):
 @triton.jit
 def _e2m1_code(y):
     """fp32 -> e2m1 code (int32 0..15): RNE, satfinite at 6, sign kept, NaN -> 7 | sign."""
-    sign = (y.to(tl.int32, bitcast=True) >> 28) & 0x8
-    magnitude = tl.abs(y)
-    below_2 = magnitude < 2.0
-    below_4 = magnitude < 4.0
-    # ulp(2^22) = 0.5, ulp(2^23) = 1, ulp(2^24) = 2: the e2m1 step in [0,2), [2,4), [4,8).
-    magic = tl.where(below_2, 4194304.0, tl.where(below_4, 8388608.0, 16777216.0))
-    # bits(magic) minus the code of the range's first value (0 -> 0, 2 -> 4, 4 -> 6) counted
-    # in steps: [0,2): code = steps; [2,4): code = steps + 2; [4,8): code = steps + 4.
-    base = tl.where(below_2, 0x4A800000, tl.where(below_4, 0x4B000000 - 2, 0x4B800000 - 4))
-    code = (magnitude + magic).to(tl.int32, bitcast=True) - base
-    return tl.minimum(code, 7) | sign
+    bits = y.to(tl.int32, bitcast=True)
+    # The magic number's ulp is the e2m1 step of |y|'s range: 2^22 (ulp 0.5) below 2, 2^23
+    # (ulp 1) in [2, 4), 2^24 (ulp 2) in [4, 8), i.e. exponent max(exponent(y) + 22, 149);
+    # beyond 8 (and for inf/NaN, whose sum wraps below 149) the code saturates anyway.
+    magic = tl.maximum((bits & 0x7F800000) + (22 << 23), 149 << 23)
+    steps = (tl.abs(y) + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
+    # codes of the ranges' first values: 0 -> 0, 2 -> 4, 4 -> 6, counted in their steps:
+    # code = steps + 2 * (magic exponent - 149) = steps + (magic >> 22) - 298
+    code = steps + (magic >> 22) - 298
+    return tl.minimum(code, 7) | ((bits >> 28) & 0x8)
 
 
 @triton.jit
-def _e4m3_code(x, HARDWARE: tl.constexpr):
+def _e4m3_code(x):
     """fp32 -> float8_e4m3fn bits (int32 0..255): RNE, satfinite at 448, NaN -> 0x7F."""
-    if HARDWARE:
-        code = x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        return code.to(tl.int32)
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
@@ -200,26 +201,35 @@ def _load_tile(x_ptr, rows_ptr, row_start, col_start, num_rows, num_src_rows, hi
 
 
 @triton.jit
-def _load_pairs(words_ptr, rows_ptr, row_start, block_start, num_rows, num_src_rows,
-                num_blocks, stride_row, HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, PAIRS: tl.constexpr):
-    """Scale blocks [block_start, +BLOCKS) of rows [row_start, +BLOCK_ROWS) of x, read as
-    words of two elements (``words_ptr``: x viewed as int32 for bf16/fp16, int64 for fp32;
-    ``stride_row`` in words). Returns (lo, hi): fp32 [BLOCK_ROWS, BLOCKS, PAIRS], elements
-    2i and 2i + 1 of each block, plus the [BLOCK_ROWS] row mask and int64 word offsets
-    ``block * PAIRS + pair`` [1, BLOCKS, PAIRS] within a row (the packed FP4 byte offsets too).
-    Rows past num_rows, blocks past num_blocks and gathered ids outside [0, num_src_rows) read
-    zeros. Word loads keep each thread's elements contiguous, so the block reductions and the
-    nibble packing below need no data exchange between threads."""
+def _source_rows(rows_ptr, row_start, num_rows, num_src_rows, HAS_ROWS: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr):
+    """(int64 rows of x to read, their mask) for output rows [row_start, +BLOCK_ROWS): the rows
+    themselves, or gathered through rows_ptr when HAS_ROWS (an id outside [0, num_src_rows)
+    is masked, i.e. reads as a zero row)."""
     rows = row_start + tl.arange(0, BLOCK_ROWS)
-    blocks = block_start + tl.arange(0, BLOCKS)
     row_ok = rows < num_rows
     if HAS_ROWS:
         src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        row_ok = row_ok & (src >= 0) & (src < num_src_rows)
-    else:
-        src = rows.to(tl.int64)
-    words = (blocks.to(tl.int64) * PAIRS)[None, :, None] + tl.arange(0, PAIRS)[None, None, :]
+        return src, row_ok & (src >= 0) & (src < num_src_rows)
+    return rows.to(tl.int64), row_ok
+
+
+@triton.jit
+def _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
+                FIRST: tl.constexpr, IN_KIND: tl.constexpr, BLOCKS: tl.constexpr,
+                PAIRS: tl.constexpr, WIDTH: tl.constexpr):
+    """Words [FIRST, FIRST + WIDTH) of scale blocks [block_start, +BLOCKS) (PAIRS words per
+    block) of rows ``src``, x read as words of two elements (``words_ptr``: x viewed as int32
+    for bf16/fp16, int64 for fp32; ``stride_row`` in words). Returns (lo, hi, words): fp32
+    [R, BLOCKS, WIDTH] elements 2i and 2i + 1, and the int64 word offsets [1, BLOCKS, WIDTH]
+    within a row (the packed FP4 byte offsets too). Masked rows and blocks read zeros.
+
+    A kernel reads a block in parts of WIDTH = 4 words (one 16-byte load): each thread then
+    holds whole blocks, so the block reductions, the per-block scale math (done once per
+    block, not once per thread sharing it) and the nibble packing need no data exchange."""
+    blocks = block_start + tl.arange(0, BLOCKS)
+    words = ((blocks.to(tl.int64) * PAIRS + FIRST)[None, :, None]
+             + tl.arange(0, WIDTH)[None, None, :])
     mask = row_ok[:, None, None] & (blocks < num_blocks)[None, :, None]
     w = tl.load(words_ptr + src[:, None, None] * stride_row + words, mask=mask, other=0)
     if IN_KIND == 0:  # bf16: the fp32 bits are the bf16 bits followed by 16 zero bits
@@ -231,7 +241,7 @@ def _load_pairs(words_ptr, rows_ptr, row_start, block_start, num_rows, num_src_r
     else:  # fp32 pairs in an int64
         lo = w.to(tl.int32).to(tl.float32, bitcast=True)
         hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    return lo, hi, row_ok, words
+    return lo, hi, words
 
 
 @triton.jit
@@ -241,9 +251,15 @@ def _max_nan(a, b):
 
 @triton.jit
 def _pair_amax(lo, hi):
-    """Per-block amax of [R, B, P] element pairs: [R, B]. NaN propagates, as in torch.amax
+    """Per-block amax of [R, B, W] element pairs: [R, B]. NaN propagates, as in torch.amax
     (``tl.max`` would skip it)."""
     return tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)
+
+
+@triton.jit
+def _e2m1_pairs(lo, hi, scale):
+    """Packed FP4 bytes of element pairs times ``scale``: element 2i low nibble."""
+    return (_e2m1_code(lo * scale) | (_e2m1_code(hi * scale) << 4)).to(tl.uint8)
 
 
 # =============================================================================================
@@ -259,10 +275,14 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                            BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * BLOCKS
-    lo, hi, row_ok, words = _load_pairs(words_ptr, rows_ptr, row_start, block_start, num_rows,
-                                        num_src_rows, hidden // 16, stride_row, HAS_ROWS,
-                                        IN_KIND, BLOCK_ROWS, BLOCKS, 8)
-    amax = _pair_amax(lo, hi)  # [BLOCK_ROWS, BLOCKS]
+    src, row_ok = _source_rows(rows_ptr, row_start, num_rows, num_src_rows, HAS_ROWS,
+                               BLOCK_ROWS)
+    # A block of 16 elements is 8 words, read as two halves of 4.
+    lo0, hi0, words0 = _load_pairs(words_ptr, src, row_ok, block_start, hidden // 16,
+                                   stride_row, 0, IN_KIND, BLOCKS, 8, 4)
+    lo1, hi1, words1 = _load_pairs(words_ptr, src, row_ok, block_start, hidden // 16,
+                                   stride_row, 4, IN_KIND, BLOCKS, 8, 4)
+    amax = _max_nan(_pair_amax(lo0, hi0), _pair_amax(lo1, hi1))  # [BLOCK_ROWS, BLOCKS]
     global_scale = tl.load(global_scale_ptr)
     if FAST_MATH:  # FlashInfer's default: sf = e4m3(gs * (a * rcp(6))), 1 / x = rcp(x)
         # rcp.approx(6) == f32(1/6) (test_gpu_rcp_approx_constants_equal_ieee), so the
@@ -272,12 +292,12 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
         sf_value = amax * (global_scale * _INV6)
     # The scale is rounded in software: Triton 3.6's hardware fp32 -> e4m3 cast on this
     # block-reduced (sliced-layout) tensor gave wrong codes for fp32 input on H200.
-    sf = _e4m3_code(sf_value, False)
+    sf = _e4m3_code(sf_value)
     sf_float = _e4m3_value(sf)
     if FAST_MATH:
-        # rcp.approx through inline PTX on the element-shaped tensor: on the block-shaped
+        # rcp.approx through inline PTX on an element-shaped tensor: on the block-shaped
         # (sliced-layout) tensor the same asm gave run-to-run different results on H200.
-        shape: tl.constexpr = (BLOCK_ROWS, BLOCKS, 8)
+        shape: tl.constexpr = (BLOCK_ROWS, BLOCKS, 4)
         sf_elements = tl.broadcast_to(sf_float[:, :, None], shape)
         gs_elements = tl.full(shape, 1.0, tl.float32) * global_scale
         out_scale = _rcp_approx(sf_elements * _rcp_approx(gs_elements))
@@ -289,17 +309,31 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                                _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
         out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
     # Byte i of a packed row holds elements 2i (low nibble) and 2i + 1: word i of x.
-    packed = (_e2m1_code(lo * out_scale) | (_e2m1_code(hi * out_scale) << 4)).to(tl.uint8)
     rows = row_start + tl.arange(0, BLOCK_ROWS)
-    out_mask = (rows < num_rows)[:, None, None] & (words < hidden // 2)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2) + words, packed,
-             mask=out_mask)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2)
+    in_rows = (rows < num_rows)[:, None, None]
+    tl.store(out_rows + words0, _e2m1_pairs(lo0, hi0, out_scale),
+             mask=in_rows & (words0 < hidden // 2))
+    tl.store(out_rows + words1, _e2m1_pairs(lo1, hi1, out_scale),
+             mask=in_rows & (words1 < hidden // 2))
     # Scales: rows up to the padded row count, blocks up to the padded block count; the
     # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
     blocks = block_start + tl.arange(0, BLOCKS)
     sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
     tl.store(scales_ptr + _scale_offsets(rows, blocks, padded_blocks, LAYOUT), sf.to(tl.uint8),
              mask=sf_mask)
+
+
+@triton.jit
+def _e4m3_pairs(lo, hi, HARDWARE: tl.constexpr):
+    """[.., W] fp32 pairs (already clamped to +-448, no NaN) -> uint16 of their e4m3 bytes,
+    element 2i in the low byte. HARDWARE: one cvt.rn.satfinite.e4m3x2.f32 per pair (SM89+),
+    the same RNE as the software path."""
+    if HARDWARE:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $2, $1; cvt.u32.u16 $0, pair; }",
+            "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True, pack=1).to(tl.uint16)
+    return (_e4m3_code(lo) | (_e4m3_code(hi) << 8)).to(tl.uint16)
 
 
 @triton.jit
@@ -312,30 +346,39 @@ def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * BLOCKS
     num_blocks = hidden // 32
-    lo, hi, row_ok, words = _load_pairs(words_ptr, words_ptr, row_start, block_start, num_rows,
-                                        num_rows, num_blocks, stride_row, False, IN_KIND,
-                                        BLOCK_ROWS, BLOCKS, 16)
-    amax = _pair_amax(lo, hi)
+    src, row_ok = _source_rows(words_ptr, row_start, num_rows, num_rows, False, BLOCK_ROWS)
+    # A block of 32 elements is 16 words, read as two halves of 8.
+    lo0, hi0, words0 = _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
+                                   0, IN_KIND, BLOCKS, 16, 8)
+    lo1, hi1, words1 = _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
+                                   8, IN_KIND, BLOCKS, 16, 8)
+    amax = _max_nan(_pair_amax(lo0, hi0), _pair_amax(lo1, hi1))
     if FP4:  # e8m0(a * f32(1/6)); scale 0 for a zero block, 1 for code 0
         sf = _e8m0_code(amax * _INV6)
         out_scale = tl.where(sf == 0, 1.0, _e8m0_inverse(sf))
         out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
-        pair = (_e2m1_code(lo * out_scale) | (_e2m1_code(hi * out_scale) << 4)).to(tl.uint8)
+        pairs0 = _e2m1_pairs(lo0, hi0, out_scale)
+        pairs1 = _e2m1_pairs(lo1, hi1, out_scale)
     else:  # e8m0(a * f32(1/448)); code 0 scales by 0; clamp to +-448, NaN -> +448
         sf = _e8m0_code(amax * _INV448)
         out_scale = tl.where(sf == 0, 0.0, _e8m0_inverse(sf))[:, :, None]
-        lo = lo * out_scale
-        hi = hi * out_scale
-        lo = tl.where(lo != lo, _E4M3_MAX, tl.minimum(tl.maximum(lo, -_E4M3_MAX), _E4M3_MAX))
-        hi = tl.where(hi != hi, _E4M3_MAX, tl.minimum(tl.maximum(hi, -_E4M3_MAX), _E4M3_MAX))
-        pair = (_e4m3_code(lo, HARDWARE_E4M3) | (_e4m3_code(hi, HARDWARE_E4M3) << 8)).to(
-            tl.uint16)
+        pairs0 = _e4m3_pairs(_clamp_e4m3(lo0 * out_scale), _clamp_e4m3(hi0 * out_scale),
+                             HARDWARE_E4M3)
+        pairs1 = _e4m3_pairs(_clamp_e4m3(lo1 * out_scale), _clamp_e4m3(hi1 * out_scale),
+                             HARDWARE_E4M3)
     rows = row_start + tl.arange(0, BLOCK_ROWS)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2) + words, pair,
-             mask=row_ok[:, None, None] & (words < hidden // 2))
+    out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2)
+    tl.store(out_rows + words0, pairs0, mask=row_ok[:, None, None] & (words0 < hidden // 2))
+    tl.store(out_rows + words1, pairs1, mask=row_ok[:, None, None] & (words1 < hidden // 2))
     blocks = block_start + tl.arange(0, BLOCKS)
     tl.store(scales_ptr + rows.to(tl.int64)[:, None] * num_blocks + blocks[None, :],
              sf.to(tl.uint8), mask=row_ok[:, None] & (blocks < num_blocks)[None, :])
+
+
+@triton.jit
+def _clamp_e4m3(y):
+    """Clamp to +-448, NaN -> +448 (FlashInfer's fminf/fmaxf order)."""
+    return tl.where(y != y, _E4M3_MAX, tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX))
 
 
 @triton.jit

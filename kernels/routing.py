@@ -69,9 +69,6 @@ COMPACT_GATHER = 1   # tl.gather the kept groups' keys into a [B, KEEP_PAD * GRO
 COMPACT_RELOAD = 2   # re-read the kept groups' logits (cached) and rebuild their keys
 COMPACT_DEFAULT = COMPACT_NONE  # until the sweep says otherwise
 
-# Sigmoid's division on the GPU: rcp.rn(d) instead of div.rn(1, d) (equal results).
-SIGMOID_RCP_RN = True
-
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
 SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
 SOFTMAX_CHOSEN = 1   # softmax over the k chosen logits
@@ -101,15 +98,12 @@ def _exp(x, PRECISE_MATH: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(x, PRECISE_MATH: tl.constexpr, RCP_RN: tl.constexpr):
+def _sigmoid(x, PRECISE_MATH: tl.constexpr):
     # 1 / (1 + exp(-x)) with an IEEE division (Triton's "/" is approximate for fp32), the
-    # formula of the oracle's _sigmoid. RCP_RN (GPU only): the correctly rounded reciprocal
-    # rcp.rn, by definition the same fp32 as div.rn(1, d).
+    # formula of the oracle's _sigmoid. (libdevice.rcp_rn(d), the same fp32, was measured no
+    # faster on H200: bench.tune, 2026-11-30.)
     denominator = 1.0 + _exp(-x, PRECISE_MATH)
-    if RCP_RN:
-        return libdevice.rcp_rn(denominator)
-    else:
-        return tl.math.div_rn(tl.zeros_like(denominator) + 1.0, denominator)
+    return tl.math.div_rn(tl.zeros_like(denominator) + 1.0, denominator)
 
 
 @triton.jit
@@ -133,7 +127,6 @@ def _route_topk_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     KEEP_PAD: tl.constexpr, COMPACT: tl.constexpr,
     SELECT_BIASED_SIGMOID: tl.constexpr, WEIGHTS: tl.constexpr, PRECISE_MATH: tl.constexpr,
-    RCP_RN: tl.constexpr,
 ):
     KEY_NONE: tl.constexpr = -(2**63)  # below every packed key: removed / padding / dropped
 
@@ -156,7 +149,7 @@ def _route_topk_kernel(
 
     if SELECT_BIASED_SIGMOID:
         bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-        score = _sigmoid(x, PRECISE_MATH, RCP_RN) + bias[None, :]
+        score = _sigmoid(x, PRECISE_MATH) + bias[None, :]
     else:
         score = x
     score = tl.where(expert_ok[None, :], score, float("-inf"))
@@ -204,7 +197,7 @@ def _route_topk_kernel(
                 x2 = tl.load(row_base[:, None] + expert2 * stride_expert, mask=compact_ok,
                              other=float("-inf")).to(tl.float32)
                 bias2 = tl.load(bias_ptr + expert2, mask=compact_ok, other=0.0)
-                score2 = _sigmoid(x2, PRECISE_MATH, RCP_RN) + bias2
+                score2 = _sigmoid(x2, PRECISE_MATH) + bias2
                 keys = tl.where(compact_ok, _pack(score2, expert2), KEY_NONE)
 
     # k rounds of argmax; ids[:, j] = the j-th best expert of each row.
@@ -230,9 +223,9 @@ def _route_topk_kernel(
         numerator = tl.where(slot_ok, _exp(chosen_x - row_max[:, None], PRECISE_MATH), 0.0)
         weights = numerator / tl.sum(numerator, axis=1)[:, None]
     elif WEIGHTS == 2:  # SIGMOID
-        weights = _sigmoid(chosen_x, PRECISE_MATH, RCP_RN)
+        weights = _sigmoid(chosen_x, PRECISE_MATH)
     else:  # SIGMOID_RENORM
-        numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH, RCP_RN), 0.0)
+        numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH), 0.0)
         weights = numerator / tl.sum(numerator, axis=1)[:, None]
     weights = weights * routed_scaling
 
@@ -283,7 +276,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         KEEP_PAD=triton.next_power_of_2(topk_groups) if grouped else 1,
         COMPACT=COMPACT_DEFAULT if compact is None else compact,
         SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
-        PRECISE_MATH=not _interpreting(), RCP_RN=SIGMOID_RCP_RN and not _interpreting(),
+        PRECISE_MATH=not _interpreting(),
         num_warps=NUM_WARPS if num_warps is None else num_warps,
     )
     return ids, weights

@@ -101,12 +101,24 @@ def test_strided_views(device, seed, dtype):
         _assert_same(Q.quantize_mxfp4(x), R.quantize_mxfp4(x.contiguous()))
 
 
+def test_saturating_global_scale(device, seed):
+    """A global scale far too large for the data: block scales saturate at 448 and the
+    scaled elements reach far past 6 (codes saturate at 7)."""
+    x = _hard_input(33, 64, torch.float32, device)
+    for gs in (1e4, 1e30):
+        gs = torch.full((1,), gs, device=device)
+        for layout in R.SCALE_LAYOUTS:
+            _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+                         R.quantize_nvfp4(x, gs, layout=layout))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_input_matches_reference(device, seed, dtype):
     """A NaN element makes its block's amax NaN (as torch.amax), and the global amax."""
     x = _hard_input(9, 64, dtype, device)
     x[5, 3] = float("nan")
     x[7, 40] = float("nan")
+    x[8, 1], x[8, 18], x[8, 35] = float("inf"), -float("inf"), 1e4
     gs = torch.full((1,), 3.0, device=device)
     assert torch.equal(Q.nvfp4_global_scale(x).isnan(), R.nvfp4_global_scale(x).isnan())
     assert bool(Q.nvfp4_global_scale(x).isnan())
