@@ -1,8 +1,8 @@
 """``python -m bench.tune``: time the launch-rule variants of the Triton kernels on one GPU.
 
 The launch rules of the quantize and routing kernels are module constants (``kernels.quantize``:
-TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``: the rows per
-program, warps and COMPACT mode, through ``_launch``'s overrides). This tool sets each variant
+NVFP4_*, TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``: the
+rows per program, warps and COMPACT mode, through ``_launch``'s overrides). This tool sets each variant
 in turn, checks its output bit for bit against the torch oracle (routing: the ids), and times
 it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize with an L2 flush
 before each call), next to FlashInfer where it has the op. The
@@ -71,6 +71,8 @@ def _quantize_cases(device) -> list[Case]:
     generator = torch.Generator(device="cpu").manual_seed(SEED)
     tiles = [dict()] + _grid(TILE_ELEMENTS=[2048, 4096, 8192, 16384], NUM_WARPS=[4, 8],
                              MAX_BLOCKS_PER_PROGRAM=[32, 64])
+    nvfp4_tiles = [dict()] + _grid(NVFP4_TILE_ELEMENTS=[2048, 4096, 8192, 16384],
+                                   NVFP4_NUM_WARPS=[4, 8], NVFP4_MAX_BLOCKS=[32, 64])
     # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
     amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
                             AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])
@@ -91,7 +93,7 @@ def _quantize_cases(device) -> list[Case]:
                 with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
                                                                               layout=layout)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
-                tiles))
+                nvfp4_tiles))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
                               with_knobs(lambda x=x: Q.quantize_mxfp8(x)),

@@ -49,10 +49,16 @@ from kernels.validate import check_tensor
 INV_E2M1_MAX = float(torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32))
 INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
 LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # constexpr LAYOUT
-# Elements one program handles: 8 KiB of bf16, enough bytes in flight per SM on an H200.
+# Launch rules, from ``python -m bench.tune`` on an H200 (2026-11-30; [8192, 7168] bf16, graph
+# replay after an L2 flush): NVFP4 8192 elements x up to 64 blocks per program, 8 warps:
+# 53.9 us (4096 / 32 / 4 warps: 59.0); MXFP8 (and the dequantizers) 4096 / 32 / 4: 44.6 us.
+NVFP4_TILE_ELEMENTS = 8192
+NVFP4_MAX_BLOCKS = 64  # 64 NVFP4 blocks = 1024 columns = 2 KiB of bf16 per row
+NVFP4_NUM_WARPS = 8
 TILE_ELEMENTS = 4096
-MAX_BLOCKS_PER_PROGRAM = 32  # 32 NVFP4 blocks = 512 columns = 1 KiB bf16 per row
+MAX_BLOCKS_PER_PROGRAM = 32
 NUM_WARPS = 4
+ELEMENTS_PER_WARP = 1024  # smaller tiles (small M) get fewer warps, at this ratio
 # The global-scale pass: a persistent grid of AMAX_PROGRAMS_PER_SM programs per SM, each
 # looping over [AMAX_TILE_ROWS, AMAX_TILE_COLS] tiles (16 KiB of bf16 per step, 8 warps: 4
 # 16-byte loads per thread in flight), then one tiny program reduces the per-program maxima.
@@ -490,10 +496,22 @@ def _hardware_e4m3(device: torch.device) -> bool:
     return _HARDWARE_E4M3 and device.type == "cuda" and not _interpreting()
 
 
-def _tile(num_blocks: int, block: int) -> tuple[int, int]:
-    """(BLOCK_ROWS, BLOCKS) of the fixed launch rule for rows of ``num_blocks`` blocks."""
-    blocks = min(MAX_BLOCKS_PER_PROGRAM, triton.next_power_of_2(max(num_blocks, 1)))
-    return max(1, TILE_ELEMENTS // (blocks * block)), blocks
+def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
+          nvfp4: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCKS, num_warps) of the launch rule for ``num_rows`` rows of
+    ``num_blocks`` blocks: the NVFP4_* (``nvfp4``) or plain tile constants, then, for small
+    M, fewer rows per program until the grid has 2 programs per SM (one big tile per SM
+    would leave the latency of its serial work), warps shrunk with the tile."""
+    tile_elements, max_blocks, num_warps = ((NVFP4_TILE_ELEMENTS, NVFP4_MAX_BLOCKS,
+                                             NVFP4_NUM_WARPS) if nvfp4 else
+                                            (TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS))
+    blocks = min(max_blocks, triton.next_power_of_2(max(num_blocks, 1)))
+    block_rows = max(1, tile_elements // (blocks * block))
+    while (block_rows > 1 and triton.cdiv(num_rows, block_rows) * triton.cdiv(num_blocks, blocks)
+           < 2 * _num_sms(device)):
+        block_rows //= 2
+    warps = max(1, min(num_warps, block_rows * blocks * block // ELEMENTS_PER_WARP))
+    return block_rows, blocks, warps
 
 
 def _check_out(name: str, out: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype,
@@ -590,7 +608,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     out = _check_out("out", out, (num_rows, hidden // 2), torch.uint8, x.device)
     out_scales = _check_out("out_scales", out_scales, (padded_rows, padded_blocks), torch.uint8,
                             x.device)
-    block_rows, blocks = _tile(padded_blocks, NVFP4_BLOCK)
+    block_rows, blocks, warps = _tile(padded_rows, padded_blocks, NVFP4_BLOCK, x.device,
+                                      nvfp4=True)
     grid = (triton.cdiv(padded_rows, block_rows), triton.cdiv(padded_blocks, blocks))
     if grid[0] * grid[1] == 0:
         return out, out_scales
@@ -600,7 +619,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
         HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
         FAST_MATH=fast_math, BLOCK_ROWS=block_rows, BLOCKS=blocks,
-        num_warps=NUM_WARPS, enable_fp_fusion=False)
+        num_warps=warps, enable_fp_fusion=False)
     return out, out_scales
 
 
@@ -612,14 +631,14 @@ def _quantize_mx(x: torch.Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor
     pairs = torch.empty((num_rows, hidden // 2), dtype=torch.uint8 if fp4 else torch.uint16,
                         device=x.device)
     scales = torch.empty((num_rows, hidden // MX_BLOCK), dtype=torch.uint8, device=x.device)
-    block_rows, blocks = _tile(hidden // MX_BLOCK, MX_BLOCK)
+    block_rows, blocks, warps = _tile(num_rows, hidden // MX_BLOCK, MX_BLOCK, x.device)
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // MX_BLOCK, blocks))
     if grid[0] * grid[1]:
         words, stride_row, in_kind = _as_pairs(x)
         _mx_quantize_kernel[grid](words, pairs, scales, num_rows, hidden, stride_row,
                                   IN_KIND=in_kind, FP4=fp4,
                                   HARDWARE_E4M3=_hardware_e4m3(x.device),
-                                  BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=NUM_WARPS,
+                                  BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=warps,
                                   enable_fp_fusion=False)
     return pairs.view(torch.uint8), scales
 
@@ -686,13 +705,13 @@ def _dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block)
     num_rows = packed.shape[0]
     padded_blocks = swizzled_scale_shape(num_rows, hidden // block, layout)[1]
     out = torch.empty((num_rows, hidden), dtype=dtype, device=packed.device)
-    block_rows, blocks = _tile(hidden // block, block)
+    block_rows, blocks, warps = _tile(num_rows, hidden // block, block, packed.device)
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // block, blocks))
     if grid[0] * grid[1]:
         _dequantize_kernel[grid](packed, scales, global_scale, out, num_rows, hidden,
                                  padded_blocks, FORMAT=fmt, LAYOUT=LAYOUT_IDS[layout],
                                  BLOCK_ROWS=block_rows, BLOCKS=blocks, BLOCK=block,
-                                 num_warps=NUM_WARPS, enable_fp_fusion=False)
+                                 num_warps=warps, enable_fp_fusion=False)
     return out
 
 

@@ -52,22 +52,24 @@ MAX_EXPERTS = 512
 # 32 lanes x 4-element vectors cover 128 columns) and every round then goes through shared
 # memory and a barrier (seen in the SM90 SASS: 41 barriers instead of 1).
 NUM_WARPS = 1
-# Elements (tokens x padded experts) one program holds at most: 512 = 16 per lane, i.e. 16
-# int64 keys plus their fp32 scores (64 registers in the SM90 build for DeepSeek-V3), leaving
-# room for many resident warps per SM; T=8192, E=256 gives 4096 one-warp programs.
-ELEMENTS_PER_PROGRAM = 512
-# Small batches get one row per program instead: at T=16 the kernel time is the latency of one
-# program's serial chain of reductions, and 2 rows per warp double it. 1024 programs (about 8
-# per SM) keep the large-T rule above (T=8192: 8 rows wanted, 512 // 256 = 2 allowed).
+# Elements (tokens x padded experts) one program holds at most: 256 = 8 per lane, i.e. one
+# DeepSeek-V3 row of int64 keys plus fp32 scores per warp, 2 rows of E=128. Measured by
+# ``python -m bench.tune`` on an H200 (2026-11-30, CUDA-graph replay): DeepSeek-V3 T=8192 E=256
+# k=8, 1 row per warp 16.3 us, 2 rows 16.6 us (FlashInfer's fused_topk_deepseek 21.7 us);
+# softmax_topk T=8192 E=128 k=4: 2 rows 5.8 us, 1 row 6.8 us.
+ELEMENTS_PER_PROGRAM = 256
+# Small batches get one row per program: at T=16 the kernel time is the latency of one
+# program's serial chain of reductions (DeepSeek-V3 T=16: 1 row 3.2 us, 2 rows 4.6 us).
+# 1024 programs (about 8 per SM) is the most a large-T launch needs to fill the GPU.
 TARGET_PROGRAMS = 1024
-# Launch rules are swept by .gpu-diag/time_routing.py (untracked) on an H200; the defaults
-# here are the last measured ones (T=8192 DeepSeek-V3 18.1 us, H200, 2 rows / 1 warp).
 
 # How DeepSeek-V3 narrows the selection to the kept groups (the ``COMPACT`` constexpr).
 COMPACT_NONE = 0     # keep the full-row tile, dropped groups' keys set to KEY_NONE
 COMPACT_GATHER = 1   # tl.gather the kept groups' keys into a [B, KEEP_PAD * GROUP_PAD] tile
 COMPACT_RELOAD = 2   # re-read the kept groups' logits (cached) and rebuild their keys
-COMPACT_DEFAULT = COMPACT_NONE  # until the sweep says otherwise
+# bench.tune (H200, DeepSeek-V3 T=8192, 1 row per warp): the full-row tile was fastest, 16.3 us;
+# reload 16.9 us, gather 19.3 us (the narrower scan does not pay for building its tile).
+COMPACT_DEFAULT = COMPACT_NONE
 
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
 SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
@@ -245,7 +247,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     """Allocate the outputs and launch the kernel on checked arguments (``num_groups`` and
     ``topk_groups`` already filled in by ``check_routing_args``). ``rows_per_program`` (a power
     of two), ``num_warps`` and ``compact`` (a ``COMPACT_*``) override the launch rule, for the
-    sweep in .gpu-diag/time_routing.py; None takes the default."""
+    sweep in bench/tune.py; None takes the default."""
     num_tokens, num_experts = logits.shape
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)

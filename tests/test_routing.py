@@ -287,7 +287,7 @@ def test_flashinfer_deepseek_matches_triton_except_near_ties(device, num_tokens,
     assert torch.equal(fi_ids[exact], ids[exact])
 
 
-# Launch variants the sweep (.gpu-diag/time_routing.py) may pick: each must give the oracle's
+# Launch variants the sweep (python -m bench.tune) may pick: each must give the oracle's
 # ids. (rows_per_program, num_warps, compact)
 VARIANTS = [(1, 1, routing.COMPACT_NONE), (4, 2, routing.COMPACT_NONE),
             (2, 1, routing.COMPACT_GATHER), (1, 1, routing.COMPACT_RELOAD),
