@@ -2,11 +2,11 @@
 
 The launch rules of the quantize and routing kernels are module constants (``kernels.quantize``:
 NVFP4_*, TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``: the
-rows per program, warps and COMPACT mode, through ``_launch``'s overrides). This tool sets each variant
-in turn, checks its output bit for bit against the torch oracle (routing: the ids), and times
-it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize with an L2 flush
-before each call), next to FlashInfer where it has the op. The
-committed defaults are the best rows of such a run, and the JSON it writes
+rows per program, warps and COMPACT mode, through ``_launch``'s overrides). This tool sets
+each variant in turn, checks its output bit for bit against the torch oracle (routing: the
+ids), and times it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize
+with an L2 flush before each call), next to FlashInfer where it has the op. The committed
+defaults are the best rows of such a run, and the JSON it writes
 (``bench/results/tune-<gpu>-<time>.json``) is the record of that choice.
 
     python -m bench.tune                     # every kernel

@@ -15,7 +15,6 @@ from a2a.routing import _check_flashinfer_limits, _route_topk_flashinfer
 from a2a.routing import route_topk as route_topk_stage
 from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
 from kernels import reference, routing
-from kernels.reference import ROUTING_METHODS
 from kernels.routing import MAX_EXPERTS
 from kernels.routing import route_topk as route_topk_triton
 from tests.support import TOLERANCES, assert_close
