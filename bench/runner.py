@@ -21,7 +21,8 @@ from typing import Any, Optional
 import torch
 
 from bench.stages import Path, Stage, Sweep, Unavailable
-from bench.timing import Timing, time_cpu, time_fixed, time_gpu
+from bench.timing import (CaptureFailed, Timing, time_cpu, time_fixed, time_gpu,
+                          time_graph_fixed)
 
 
 @dataclass
@@ -64,7 +65,8 @@ class RunContext:
         gathered = [torch.empty_like(values) for _ in range(self.world_size)]
         dist.all_gather(gathered, values, group=self.group)
         worst = max(gathered, key=lambda v: float(v[0])).tolist()
-        return Timing(worst[0], worst[1], worst[2], timing.method + "_slowest_rank")
+        return Timing(worst[0], worst[1], worst[2], timing.method + "_slowest_rank",
+                      timing.remark)
 
     def barrier(self) -> None:
         if self.group is not None:
@@ -232,6 +234,15 @@ def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
         return time_cpu(path.run)
     with torch.cuda.device(ctx.device):
         if stage.distributed:
+            if stage.graph and path.capture_safe and path.before is None and path.after is None:
+                try:
+                    return ctx.slowest(time_graph_fixed(path.run, barrier=ctx.barrier,
+                                                        agree=ctx.agree))
+                except CaptureFailed as error:  # on every rank (time_graph_fixed agrees)
+                    timing = ctx.slowest(time_fixed(path.run, barrier=ctx.barrier))
+                    return Timing(timing.median_us, timing.p20_us, timing.p80_us,
+                                  timing.method, f"declared capture-safe but the CUDA-graph "
+                                  f"capture failed ({error}): timed eagerly")
             return ctx.slowest(time_fixed(path.run, before=path.before, after=path.after,
                                           barrier=ctx.barrier))
         # Graph replay only for the paths that declare themselves free of host syncs: a

@@ -11,7 +11,9 @@ Three clocks, one result type (:class:`Timing`, microseconds):
 - :func:`time_fixed`: a fixed number of event-timed calls, for collectives: every rank must call
   the op the same number of times (``do_bench`` picks its count from a first estimate, which
   differs per rank and would deadlock). ``before`` / ``after`` run untimed around each call
-  (e.g. the combine that must follow a one-sided dispatch).
+  (e.g. the combine that must follow a one-sided dispatch). :func:`time_graph_fixed`: the
+  same fixed sequence captured in a CUDA graph on every rank and replayed, for the collectives
+  declared capture-safe (their time without the host's launch cost).
 - :func:`time_cpu`: ``time.perf_counter`` over a couple of calls, for the interpreter run, where
   the numbers mean nothing and are labelled so.
 
@@ -45,6 +47,8 @@ FLUSH_BYTES = 256 << 20
 GRAPH_REPLAY_MS, GRAPH_SAMPLES, GRAPH_ESTIMATE_REPLAYS, MAX_CALLS_PER_GRAPH = 1.0, 20, 3, 500
 # Calls of a collective per measurement (fixed so that every rank issues the same sequence).
 FIXED_WARMUP, FIXED_REPS = 5, 30
+# Collectives by graph replay: calls per graph and replays (samples), the same on every rank.
+GRAPH_FIXED_CALLS, GRAPH_FIXED_SAMPLES = 20, 10
 # Interpreter runs: a couple of calls after the checked one, the numbers mean nothing anyway.
 CPU_REPS = 2
 # Bytes copied to measure the HBM and peer bandwidths: large enough to hide launch cost and
@@ -303,6 +307,45 @@ def time_fixed(fn: Callable[[], object], *, before: Optional[Callable[[], object
             after()
     torch.cuda.synchronize()
     return _from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)], "fixed_events")
+
+
+def time_graph_fixed(fn: Callable[[], object], *, barrier: Callable[[], object],
+                     agree: Callable[[bool], bool], warmup: int = FIXED_WARMUP,
+                     calls: int = GRAPH_FIXED_CALLS,
+                     samples: int = GRAPH_FIXED_SAMPLES) -> Timing:
+    """Collectives by CUDA-graph replay: every rank captures the same ``calls`` calls of ``fn``
+    (a fixed count, so that the ranks' device-side sequences pair up) and replays the graph
+    ``samples`` times, each replay started after a barrier; a sample is one replay / ``calls``
+    (the ranks' start skew after the barrier is spread over the calls, and counted). Raises
+    :class:`CaptureFailed` on every rank when the capture failed on any (``agree``: True only
+    if true on every rank), after cleaning up, so that all ranks fall back together."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize(device)
+    rng_state = torch.cuda.get_rng_state(device)
+    barrier()
+    cuda_graph, error = None, None
+    try:
+        cuda_graph = _capture(fn, calls, stream)
+    except CaptureFailed as failed:
+        _recover_from_failed_capture(device, stream, rng_state)
+        error = failed
+    if not agree(cuda_graph is not None):
+        del cuda_graph
+        raise error or CaptureFailed("the capture failed on another rank")
+    barrier()
+    _replay_ms(cuda_graph, stream, 1)  # warm replay
+    times = []
+    for _ in range(samples):
+        barrier()
+        times.append(_replay_ms(cuda_graph, stream, 1) / calls)
+    del cuda_graph
+    torch.cuda.synchronize(device)
+    return _from_samples(times, "cuda_graph_fixed")
 
 
 def time_cpu(fn: Callable[[], object], *, reps: int = CPU_REPS) -> Timing:

@@ -221,7 +221,7 @@ def _received(out: Any, inputs: dict) -> Any:
 
 def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     rank = inputs["rank"]
-    x, plan = inputs["xs"][rank], inputs["plans"][rank]
+    x = inputs["xs"][rank]
     quant = None if shape["quant"] == "bf16" else shape["quant"]
 
     def ours(transport):
@@ -232,7 +232,10 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                                         global_scale=inputs.get("global_scale"))
         return factory
 
-    paths = [make_path(b, ours(b), normalize=lambda out: _received(out, inputs))
+    # Triton and FlashInfer's moe_comm launch kernels only: timed by CUDA-graph replay (the
+    # torch transport's all_to_all_single takes host-side split sizes, so it is timed eagerly).
+    paths = [make_path(b, ours(b), normalize=lambda out: _received(out, inputs),
+                       capture_safe=b != "torch")
              for b in ("triton", "flashinfer", "torch")]
     if quant is not None:
         paths.append(Path(ONE_SIDED, reason="not run: the one-sided reference row sends bf16 "
@@ -271,7 +274,7 @@ DISPATCH = Stage(
     build=_dispatch_build, paths=_dispatch_paths, check=_dispatch_check,
     traffic=_dispatch_traffic,
     dtype=lambda shape: shape.get("quant", "bf16"),
-    distributed=True, oracle=None)
+    distributed=True, oracle=None, graph=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +313,8 @@ def _combine_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         # Identity experts: the received rows [R, T, H] go back as the payload.
         return lambda: moe.combine(holder["recv"][0], shape["tokens"])
 
-    return [make_path(b, ours(b)) for b in ("triton", "flashinfer", "torch")] + [
+    return [make_path(b, ours(b), capture_safe=b != "torch")
+            for b in ("triton", "flashinfer", "torch")] + [
         make_path(ONE_SIDED, one_sided, before=lambda: holder["before"]())]
 
 
@@ -319,7 +323,8 @@ COMBINE = Stage(
     extra=lambda: [dict(shape) for shape in TRANSPORT_TARGET_SHAPES],
     build=_combine_build, paths=_combine_paths,
     check=lambda out, ref, inputs, shape: assert_same(out, inputs["expected"], what="combined"),
-    traffic=_combine_traffic, dtype=lambda shape: "bf16", distributed=True, oracle=None)
+    traffic=_combine_traffic, dtype=lambda shape: "bf16", distributed=True, oracle=None,
+    graph=True)
 
 
 # ---------------------------------------------------------------------------------------------
