@@ -36,7 +36,10 @@ The workspace
 tensor). Rank q's row, for rows of B bytes (B % 16 == 0) and N = max_tokens_per_rank::
 
     flags [R, MAX_CHUNKS] int64       flag[s, chunk]: last call whose chunk ``chunk`` source s
-                                      delivered, as c + 1 (0 = never); padded to 128 bytes
+                                      delivered, as c + 1 (0 = never)
+    arrivals int64                    this rank's receive programs that have read the call
+                                      number (local use only; back to 0 after every call);
+                                      flags and arrivals padded to 128 bytes
     area  [R][2][N][B] bytes          area[s][p]: the rows s sent in a call of parity p
 
 One workspace carries one kind of transfer (dispatch or combine) of one row size: its calls
@@ -44,10 +47,13 @@ are numbered by its own counter.
 
 The call counter lives on the device
 ------------------------------------
-``call_counter`` ([1] int64, local, zeroed with the workspace): both kernels read c from it and
-``call_counter += 1`` follows the receive kernel on the same stream. No call index comes from
-the host, so a CUDA graph that captures a transfer stays right at every replay (each replay
-is a new call). Every rank must run the same sequence of transfers on a workspace.
+``call_counter`` ([1] int64, local, zeroed with the workspace): both kernels read c from it,
+and the receive kernel advances it: each of its programs counts itself in ``arrivals`` after
+reading c, and the last one to arrive (every program has then read c) sets the counter to
+c + 1 and ``arrivals`` back to 0; the next transfer's kernels run after it on the stream. No
+call index comes from the host and no extra launch increments it, so a CUDA graph that
+captures a transfer stays right at every replay (each replay is a new call). Every rank must
+run the same sequence of transfers on a workspace.
 
 Why ``>= c + 1`` and not ``==``: source s's send of call c + 1 needs only its own receive of
 call c, which needs our send of call c, which runs before our receive of call c; so s may have
@@ -131,6 +137,17 @@ def _chunk_bounds(count, chunk, num_chunks):
     return begin, tl.minimum(begin + per_chunk, count)
 
 
+@triton.jit
+def _advance_call(counter_ptr, ws64, my_row, ep_size, call, MAX_CHUNKS: tl.constexpr):
+    """Called by every program of a receive kernel once it has read ``call``: the last to
+    arrive sets the call counter to call + 1 and rearms the arrival count (module docstring)."""
+    arrivals = ws64 + my_row + ep_size * MAX_CHUNKS
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter_ptr, call + 1, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["ep_rank", "max_rows"])
 def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counter_ptr,
                  ep_rank, max_rows, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
@@ -181,6 +198,7 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
     ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
+    _advance_call(counter_ptr, ws64, my_row, ep_size, call, MAX_CHUNKS)
 
     # Wait for source `peer`'s chunk (bounded), then let every thread read what it covers.
     flag = ws64 + my_row + peer * MAX_CHUNKS + chunk
@@ -225,18 +243,29 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
                          tl.zeros((BLOCK_ROWS, BLOCK_WORDS), tl.int32), mask=ok)
 
 
-@triton.jit(do_not_specialize=["max_rows"])
-def _slot_map_kernel(slot_map_ptr, cumsum_ptr, backward_ptr, max_rows,
+@triton.jit(do_not_specialize=["ep_size", "num_slots", "max_rows"])
+def _slot_map_kernel(slot_map_ptr, cumsum_ptr, backward_ptr, ep_size, num_slots, max_rows,
                      BLOCK_ROWS: tl.constexpr):
-    """Program s: for row i of this rank's send segment to s, ``slot_map[backward[i]] =
-    s * N + i`` (where the row comes back in the combine inbox); other slots stay -1."""
-    peer = tl.program_id(0)
-    seg_start, count = _segment(cumsum_ptr, peer)
-    for row0 in range(0, count, BLOCK_ROWS):
-        rows = row0 + tl.arange(0, BLOCK_ROWS)
-        ok = rows < count
-        slot = tl.load(backward_ptr + seg_start + rows, mask=ok, other=0)
-        tl.store(slot_map_ptr + slot, peer * max_rows + rows, mask=ok)
+    """One program: ``slot_map[:num_slots] = -1``, then for row i of this rank's send segment
+    to peer s, ``slot_map[backward[i]] = s * N + i`` (where the row comes back in the combine
+    inbox). One launch, no separate fill: the barrier orders the fill before the scatter."""
+    offsets = tl.arange(0, BLOCK_ROWS)
+    start = 0
+    while start < num_slots:  # (while loops: the interpreter cannot range() over an argument)
+        tl.store(slot_map_ptr + start + offsets, -1, mask=start + offsets < num_slots)
+        start += BLOCK_ROWS
+    tl.debug_barrier()
+    peer = 0
+    while peer < ep_size:
+        seg_start, count = _segment(cumsum_ptr, peer)
+        row0 = 0
+        while row0 < count:
+            rows = row0 + offsets
+            ok = rows < count
+            slot = tl.load(backward_ptr + seg_start + rows, mask=ok, other=0)
+            tl.store(slot_map_ptr + slot, peer * max_rows + rows, mask=ok)
+            row0 += BLOCK_ROWS
+        peer += 1
 
 
 @triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_rows", "num_tokens", "num_chunks",
@@ -258,6 +287,7 @@ def _reduce_kernel(out_ptr, slot_map_ptr, ws_ptr, ws_row_stride, counter_ptr, st
     ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     wsE = ws_ptr.to(out_ptr.dtype, bitcast=True)
     my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
+    _advance_call(counter_ptr, ws64, my_row, ep_size, call, MAX_CHUNKS)
 
     # Every (source, chunk) flag of this call: one vector of acquire loads, spun on (bounded).
     lanes = tl.arange(0, FLAG_BLOCK)
@@ -309,7 +339,8 @@ def _reduce_kernel(out_ptr, slot_map_ptr, ws_ptr, ws_row_stride, counter_ptr, st
 # ---------------------------------------------------------------------------------------------
 
 def _flag_bytes(ep_size: int) -> int:
-    return _round_up(ep_size * MAX_CHUNKS * 8, PAD_BYTES)
+    """Bytes of the flags and the arrivals word (module docstring), padded."""
+    return _round_up(ep_size * MAX_CHUNKS * 8 + 8, PAD_BYTES)
 
 
 def transport_workspace_bytes(ep_size: int, max_tokens_per_rank: int, row_bytes: int) -> int:
@@ -398,7 +429,6 @@ def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, p
         plan.ep_rank, ep_size, max_rows, num_out_rows,
         triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
         ZERO_TAIL=zero_tail, **constants)
-    call_counter.add_(1)
     if check:
         raise_on_timeout(status, plan.ep_rank)
     return out
@@ -417,7 +447,7 @@ def triton_dispatch_rows(rows: torch.Tensor, plan: AlltoallPlan, workspace: torc
                    ``words >= transport_workspace_bytes(R, N, B) // 8``, zeroed before its
                    first call; used for dispatches of B-byte rows only.
     call_counter:  [1] int64 on the rows' device, zeroed with the workspace; the kernels read
-                   the call number from it and it is incremented after them.
+                   the call number from it and the receive kernel advances it.
     status:        [R] int64 or None: entry s becomes c + 1 when the wait for source s timed
                    out in call c. None: a fresh zeroed one (read when ``check``).
     check:         read the status after the call (one host sync) and raise
@@ -496,10 +526,10 @@ def triton_combine(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tens
         status = torch.zeros(ep_size, dtype=torch.int64, device=device)
     row_elems = rows.shape[1] // elem_bytes
     # Where slot t*k + j comes back: s * N + i (row i of source s's inbox area) or -1.
-    slot_map = torch.full((max(num_tokens * top_k, 1),), -1, dtype=torch.int32, device=device)
-    _slot_map_kernel[(ep_size,)](slot_map, plan.send_rank_count_cumsum,
-                                 plan.backward_recv_rank_local_indices, max_rows,
-                                 BLOCK_ROWS=256)
+    slot_map = torch.empty((max(num_tokens * top_k, 1),), dtype=torch.int32, device=device)
+    _slot_map_kernel[(1,)](slot_map, plan.send_rank_count_cumsum,
+                           plan.backward_recv_rank_local_indices, ep_size, num_tokens * top_k,
+                           max_rows, BLOCK_ROWS=1024)
     chunks, constants = _send(rows, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices,
                               plan, workspace, call_counter, max_programs)
     out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
@@ -513,7 +543,6 @@ def triton_combine(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tens
         TOP_K=top_k, MAX_CHUNKS=MAX_CHUNKS,
         FLAG_BLOCK=triton.next_power_of_2(ep_size * chunks), BLOCK_TOKENS=REDUCE_TOKENS,
         BLOCK_ELEMS=block_elems, num_warps=REDUCE_WARPS)
-    call_counter.add_(1)
     if check:
         raise_on_timeout(status, plan.ep_rank)
     return out

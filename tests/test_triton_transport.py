@@ -218,8 +218,9 @@ def test_bad_inputs_raise():
 
 
 def test_workspace_size():
-    # flags [R, MAX_CHUNKS] int64 padded to 128 bytes, then [R][2][N][B] rows, rounded to 128.
-    assert tt.transport_workspace_bytes(2, 5, 48) == 2 * 64 * 8 + 2 * 2 * 5 * 48 + 64
+    # flags [R, MAX_CHUNKS] int64 and the arrivals word padded to 128 bytes, then [R][2][N][B]
+    # rows, rounded to 128.
+    assert tt.transport_workspace_bytes(2, 5, 48) == (2 * 64 * 8 + 128) + 2 * 2 * 5 * 48 + 64
     assert tt.transport_workspace_bytes(8, 1024, 14336) % 128 == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         tt.transport_workspace_bytes(2, 5, 40)
