@@ -135,9 +135,8 @@ class MoEAlltoall:
                 f"hidden_size, slot_count, backends): {described}. Construct it with the same "
                 "arguments (and MOE_A2A_BACKENDS) on every rank")
         self._workspaces: dict = {}
-        self._transport_counters: dict = {}
+        self._call_counters: dict = {}
         self._transport_status: Optional[torch.Tensor] = None
-        self._prepare_calls = 0
         self._closed = False
 
     # -----------------------------------------------------------------------------------------
@@ -210,12 +209,11 @@ class MoEAlltoall:
             size = workspace.triton_transport_workspace_bytes(
                 self.ep_size, self.max_tokens_per_rank, row_bytes)
             self._workspaces[key] = workspace.MnnvlWorkspace(self.group, size, self.device)
-            self._transport_counters[key] = torch.zeros(1, dtype=torch.int64,
-                                                        device=self.device)
+            self._call_counters[key] = torch.zeros(1, dtype=torch.int64, device=self.device)
             if self._transport_status is None:
                 self._transport_status = torch.zeros(self.ep_size, dtype=torch.int64,
                                                      device=self.device)
-        return self._workspaces[key].tensor, self._transport_counters[key]
+        return self._workspaces[key].tensor, self._call_counters[key]
 
     def check_transport(self) -> None:
         """Raise ``a2a.triton_transport.TransportTimeout`` naming the source ranks when a wait
@@ -308,13 +306,16 @@ class MoEAlltoall:
                                       max_tokens_per_rank=self.max_tokens_per_rank,
                                       slot_count=self.slot_count)
         from a2a.triton_prepare import triton_prepare
-        call_index = self._prepare_calls
-        self._prepare_calls += 1
-        return triton_prepare(topk_ids, topk_weights, self._workspace("triton_prepare"),
+        workspace = self._workspace("triton_prepare")
+        if "triton_prepare" not in self._call_counters:  # zeroed with the workspace
+            self._call_counters["triton_prepare"] = torch.zeros(
+                1, dtype=torch.int64, device=self.device)
+        return triton_prepare(topk_ids, topk_weights, workspace,
                               ep_rank=self.ep_rank, ep_size=self.ep_size,
                               num_experts=self.num_experts,
                               max_tokens_per_rank=self.max_tokens_per_rank,
-                              slot_count=self.slot_count, call_index=call_index,
+                              slot_count=self.slot_count,
+                              call_counter=self._call_counters["triton_prepare"],
                               check=check_inputs, check_ids=False)
 
     def _checked_routing(self, topk_ids, topk_weights, sanitize: bool,

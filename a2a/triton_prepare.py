@@ -9,16 +9,21 @@ rank (FlashInfer's ``MnnvlMemory(...).as_torch_strided_tensor(torch.uint64)``; f
 ranks on one GPU a plain zeroed tensor). Rank q's row, in 64-bit words then 32-bit words::
 
     flags   [R, MAX_CHUNKS] int64   flag[s, c]: last call whose chunk c source s has delivered,
-                                    as call_index + 1 (0 = never)
-    regions [2, R] x region         parity p = call_index % 2, source s:
+                                    as c + 1 (0 = never)
+    arrivals int64 (+1 pad)         this rank's exchange programs that have read c (local)
+    regions [2, R] x region         parity p = c % 2, source s:
         count   int32 (+3 pad)      rows s sends to q in this call
         hist    [S] int32 (padded)  s's expert_counts (chunk 0 writes it)
         ids     [N, k] int32        s's k ids of each row it sends to q, in send order
         weights [N, k] fp32 bits    the same rows' k weights
 
-Protocol of one call (call_index = c, the same on every rank, +1 per call from 0 on a zeroed
-workspace). The grid is (R, C): program (q, chunk) first SENDS chunk ``chunk`` of this rank's
-segment for destination q, then RECEIVES chunk ``chunk`` of what source q sent here.
+Protocol of one call c. The call number lives on the device: ``call_counter`` ([1] int64,
+zeroed with the workspace) is read by every program of the exchange kernel, and the last of
+them to arrive sets it to c + 1 (:func:`advance_call`), so that no call index comes from the
+host and a CUDA graph that captures the prepare stays right at every replay. Every rank makes
+the same sequence of calls on a workspace. The grid is (R, C): program
+(q, chunk) first SENDS chunk ``chunk`` of this rank's segment for destination q, then RECEIVES
+chunk ``chunk`` of what source q sent here.
 
 - send: plain stores of count, rows (and hist for chunk 0) into q's region (p, me); a CTA
   barrier (so every thread's stores precede the flag), then one ``atomic_xchg(flag[me, chunk]
@@ -40,7 +45,7 @@ Timeout: each wait spins at most ``timeout_spins`` times (one sys-scope atomic e
 0.1 us, so the default is tens of seconds). On timeout the program takes the missing sources'
 counts as 0 (no out-of-range writes) and records ``status[s] = max(status[s], c + 1)``; the
 launcher raises naming the ranks when ``check=True``. After a timeout the workspace is stale:
-zero it and restart call_index at 0 on every rank.
+zero it and its call counter on every rank.
 
 Compilation, warm-up and host syncs: the first call of each configuration (N, R, k, S,
 max_programs, with_expert_counts) compiles the kernels, and loading a CUDA module waits until
@@ -90,6 +95,8 @@ EXCHANGE_PROGRAMS = 128
 BLOCK_ROWS = 64
 # Header of a region: the count, padded to 16 bytes.
 HEADER_INTS = 4
+# The arrivals word after the flags, padded to 16 bytes (2 int64 words).
+ARRIVAL_WORDS = 2
 # Default spin bound of each wait (see the module docstring).
 TIMEOUT_SPINS = 1 << 26
 NUM_WARPS = 4
@@ -111,17 +118,28 @@ def _wait_for_flags(flag_ptrs, mask, expected, timeout_spins):
     return ok
 
 
+@triton.jit
+def advance_call(counter_ptr, arrivals, call):
+    """Called by every program of a kernel once it has read ``call`` from ``counter_ptr``: the
+    last to arrive (every program has then read it) sets the counter to call + 1 and rearms
+    the arrival count ``arrivals`` (an int64 that is 0 between calls). Used by the exchange
+    kernel here and by the receive kernels of a2a/triton_transport.py."""
+    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counter_ptr, call + 1, sem="relaxed", scope="gpu")
+
+
 # Values that change from call to call or from rank to rank (or are often 1, which Triton would
 # otherwise turn into a constant), and the workspace row stride (so that warmup's private
 # workspace picks the same variant), are not specialized: one compiled kernel per configuration.
 @triton.jit(do_not_specialize=["ws_row_stride", "ep_rank", "ep_size", "max_tokens", "num_rows",
-                               "chunk_rows", "tail_rows", "flag_value", "parity",
-                               "timeout_spins"])
+                               "chunk_rows", "tail_rows", "timeout_spins"])
 def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send_cumsum_ptr,
                      send_indices_ptr, local_hist_ptr, recv_cumsum_ptr, recv_local_ptr,
                      recv_ids_ptr, recv_weights_ptr, expert_counts_ptr, status_ptr,
-                     ep_rank, ep_size, num_slots, slots_per_rank, max_tokens, num_rows,
-                     chunk_rows, tail_rows, flag_value, parity, timeout_spins,
+                     counter_ptr, ep_rank, ep_size, num_slots, slots_per_rank, max_tokens,
+                     num_rows, chunk_rows, tail_rows, timeout_spins,
                      flags_ints, region_ints, hist_off, ids_off, weights_off,
                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, R_PAD: tl.constexpr,
                      S_PAD: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
@@ -134,6 +152,11 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
     row_stride32 = ws_row_stride.to(tl.int64) * 2  # the workspace stride is in 64-bit words
     cols = tl.arange(0, K_PAD)
     col_ok = cols < TOP_K
+    call = tl.load(counter_ptr)
+    flag_value = call + 1
+    parity = call % 2
+    my_row64 = ws64 + ep_rank.to(tl.int64) * ws_row_stride
+    advance_call(counter_ptr, my_row64 + ep_size * MAX_CHUNKS, call)
 
     # ---- send: chunk `chunk` of this rank's rows for destination `peer` -------------------
     seg_end = tl.load(send_cumsum_ptr + peer)
@@ -244,12 +267,13 @@ def prepare_workspace_words(ep_size: int, max_tokens_per_rank: int, top_k: int,
     """64-bit words each rank's workspace row needs for :func:`triton_prepare`.
 
     ep_size R, max_tokens_per_rank N, top_k k, num_experts E (slot_count S, default E):
-    ``R * MAX_CHUNKS`` flag words plus two parities of R regions of ``16 + 4*S + 8*N*k``
-    bytes (rounded up to 16). E.g. R = 8, N = 8192, k = 8, S = 256: ~8.4 MiB.
+    ``R * MAX_CHUNKS`` flag words, 2 words of arrivals, two parities of R regions of
+    ``16 + 4*S + 8*N*k`` bytes (rounded up to 16). E.g. R = 8, N = 8192, k = 8, S = 256: ~8.4 MiB.
     """
     slots = num_experts if slot_count is None else slot_count
     region, *_ = _region_ints(max_tokens_per_rank, top_k, slots)
-    return ep_size * MAX_CHUNKS + ep_size * region  # 2 parities * region int32 = region words
+    # flags, arrivals + pad, 2 parities x R regions (2 * region int32 = region words)
+    return ep_size * MAX_CHUNKS + ARRIVAL_WORDS + ep_size * region
 
 
 def exchange_chunks(ep_size: int, max_tokens_per_rank: int,
@@ -298,7 +322,7 @@ def exchange_config(ep_size: int, max_tokens: int, top_k: int, slots: int,
 
 def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace: torch.Tensor,
                    *, ep_rank: int, ep_size: int, num_experts: int, max_tokens_per_rank: int,
-                   slot_count: Optional[int] = None, call_index: int,
+                   slot_count: Optional[int] = None, call_counter: torch.Tensor,
                    with_expert_counts: bool = True, timeout_spins: int = TIMEOUT_SPINS,
                    max_programs: int = EXCHANGE_PROGRAMS, check: bool = True,
                    check_ids: bool = True,
@@ -313,7 +337,9 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
                          here; ``words >= prepare_workspace_words(...)``; zeroed before call 0.
     ep_rank, ep_size:    this rank r and R.
     num_experts, max_tokens_per_rank, slot_count: E, N (>= T on every rank), S (default E).
-    call_index:          0, 1, 2, ... : +1 per call, the same sequence on every rank.
+    call_counter:        [1] int64 on the device, zeroed with the workspace: the number of
+                         this call, read and advanced by the kernel (module docstring); every
+                         rank makes the same sequence of calls.
     with_expert_counts:  exchange every rank's expert_counts (the plan's [R, S]); else None.
     timeout_spins:       bound of each wait (see the module docstring).
     max_programs:        bound of the exchange grid R * C; the same on every rank.
@@ -323,8 +349,8 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
     check_ids:           read the local plan's device-side id range check before the exchange
                          (a host sync) and raise ValueError on an id outside ``[0, S]`` before
                          anything is sent. False: such ids are sent nowhere (as padding).
-    status:              [R] int64, zeroed once; entry s becomes call_index + 1 when a wait for
-                         source s timed out in this call. Default: a fresh zeroed tensor when
+    status:              [R] int64, zeroed once; entry s becomes c + 1 when a wait for
+                         source s timed out in call c. Default: a fresh zeroed tensor when
                          ``check``, else uninitialised words of the output buffer, never read.
     Returns this rank's :class:`AlltoallPlan`, equal to ``simulate_alltoall(...)[ep_rank]``.
     The first call of a configuration compiles: see :func:`warmup`.
@@ -348,8 +374,9 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
                          f"{tuple(workspace.shape)} strides {workspace.stride()}")
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank={ep_rank} must be in [0, ep_size={ep_size})")
-    if not isinstance(call_index, int) or call_index < 0:
-        raise ValueError(f"call_index={call_index!r} must be an int >= 0 (+1 per call)")
+    check_tensor("call_counter", call_counter, dtype=torch.int64, ndim=1, device=device)
+    if call_counter.numel() != 1:
+        raise ValueError(f"call_counter must have 1 entry, got {call_counter.numel()}")
     if status is None:
         status = torch.zeros(ep_size, dtype=torch.int64, device=device) if check else None
     else:
@@ -374,13 +401,14 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
         workspace, workspace.stride(0), topk_ids, topk_weights, plan.send_rank_count_cumsum,
         plan.send_rank_local_indices, plan.expert_counts, recv_cumsum, recv_local, recv_ids,
         recv_weights, expert_counts if with_expert_counts else recv_cumsum, status,
-        ep_rank, ep_size, slots, slots // ep_size, max_tokens, rows, cfg.chunk_rows,
-        cfg.tail_rows, call_index + 1, call_index % 2, timeout_spins,
-        2 * ep_size * MAX_CHUNKS, cfg.region, cfg.hist_off, cfg.ids_off, cfg.weights_off,
+        call_counter, ep_rank, ep_size, slots, slots // ep_size, max_tokens, rows,
+        cfg.chunk_rows, cfg.tail_rows, timeout_spins,
+        2 * (ep_size * MAX_CHUNKS + ARRIVAL_WORDS), cfg.region, cfg.hist_off, cfg.ids_off,
+        cfg.weights_off,
         TOP_K=top_k, K_PAD=cfg.k_pad, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad, MAX_CHUNKS=MAX_CHUNKS,
         BLOCK_ROWS=BLOCK_ROWS, WITH_COUNTS=with_expert_counts, num_warps=NUM_WARPS)
     if check:
-        raise_on_timeout(status, call_index, ep_rank)
+        raise_on_timeout(status, ep_rank)
     return AlltoallPlan(
         send_rank_count_cumsum=plan.send_rank_count_cumsum,
         send_rank_local_indices=plan.send_rank_local_indices,
@@ -409,10 +437,11 @@ def warmup(device, *, ep_size: int, num_experts: int, max_tokens_per_rank: int, 
     weights = torch.zeros((max_tokens_per_rank, top_k), dtype=torch.float32, device=device)
     cfg = exchange_config(ep_size, max_tokens_per_rank, top_k, slots, max_programs)
     workspace = torch.zeros((ep_size, cfg.words), dtype=torch.int64, device=device)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
     for counts in with_expert_counts:
         triton_prepare(ids, weights, workspace, ep_rank=0, ep_size=ep_size,
                        num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
-                       slot_count=slots, call_index=0, with_expert_counts=counts,
+                       slot_count=slots, call_counter=counter, with_expert_counts=counts,
                        timeout_spins=0, max_programs=max_programs, check=False,
                        check_ids=False)
     if device.type == "cuda":
@@ -423,13 +452,15 @@ class PrepareTimeout(RuntimeError):
     """Some source ranks did not deliver their prepare data within the spin bound."""
 
 
-def raise_on_timeout(status: torch.Tensor, call_index: int, ep_rank: int) -> None:
-    """Raise :class:`PrepareTimeout` naming the source ranks whose data did not arrive in call
-    ``call_index`` (reads ``status``: a host sync)."""
-    missing = torch.nonzero(status == call_index + 1).flatten().tolist()
+def raise_on_timeout(status: torch.Tensor, ep_rank: int) -> None:
+    """Raise :class:`PrepareTimeout` naming the source ranks whose data did not arrive
+    (reads ``status``: a host sync; ``status[s]`` = c + 1 of the last call c that timed out)."""
+    values = status.tolist()
+    missing = [source for source, value in enumerate(values) if value]
     if missing:
+        calls = sorted({values[s] - 1 for s in missing})
         raise PrepareTimeout(
-            f"rank {ep_rank}, call {call_index}: source rank(s) {missing} did not deliver their "
-            f"prepare data within timeout_spins (did every rank call triton_prepare with the "
-            f"same call_index sequence, starting at 0 on a zeroed workspace?). The workspace "
-            f"is now stale: zero it and restart call_index at 0 on every rank.")
+            f"rank {ep_rank}: source rank(s) {missing} did not deliver their prepare data "
+            f"within timeout_spins (call(s) {calls}; did every rank make the same sequence of "
+            f"triton_prepare calls on this workspace?). The workspace is now stale: zero it "
+            f"and its call counter on every rank.")

@@ -92,7 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from a2a.triton_prepare import TIMEOUT_SPINS
+from a2a.triton_prepare import TIMEOUT_SPINS, advance_call
 from kernels.permute import _round_to
 from kernels.types import AlltoallPlan
 from kernels.validate import check_tensor
@@ -135,17 +135,6 @@ def _chunk_bounds(count, chunk, num_chunks):
     per_chunk = (count + num_chunks - 1) // num_chunks
     begin = chunk * per_chunk
     return begin, tl.minimum(begin + per_chunk, count)
-
-
-@triton.jit
-def _advance_call(counter_ptr, ws64, my_row, ep_size, call, MAX_CHUNKS: tl.constexpr):
-    """Called by every program of a receive kernel once it has read ``call``: the last to
-    arrive sets the call counter to call + 1 and rearms the arrival count (module docstring)."""
-    arrivals = ws64 + my_row + ep_size * MAX_CHUNKS
-    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(counter_ptr, call + 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["ep_rank", "max_rows"])
@@ -198,7 +187,7 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
     ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
-    _advance_call(counter_ptr, ws64, my_row, ep_size, call, MAX_CHUNKS)
+    advance_call(counter_ptr, ws64 + my_row + ep_size * MAX_CHUNKS, call)
 
     # Wait for source `peer`'s chunk (bounded), then let every thread read what it covers.
     flag = ws64 + my_row + peer * MAX_CHUNKS + chunk
@@ -287,7 +276,7 @@ def _reduce_kernel(out_ptr, slot_map_ptr, ws_ptr, ws_row_stride, counter_ptr, st
     ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     wsE = ws_ptr.to(out_ptr.dtype, bitcast=True)
     my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
-    _advance_call(counter_ptr, ws64, my_row, ep_size, call, MAX_CHUNKS)
+    advance_call(counter_ptr, ws64 + my_row + ep_size * MAX_CHUNKS, call)
 
     # Every (source, chunk) flag of this call: one vector of acquire loads, spun on (bounded).
     lanes = tl.arange(0, FLAG_BLOCK)

@@ -3,8 +3,8 @@
 GPU only: the exchange needs its ranks running at the same time (each spins until the others'
 flags arrive), while Triton's CPU interpreter runs programs, and ranks, one after another. The one
 CPU test (``test_exchange_index_math_emulated_on_cpu``) checks the kernel's index math in the
-interpreter by running every rank twice with the same call_index: the first pass delivers all
-data (its waits time out at once), the second finds every flag set.
+interpreter by running every rank twice with its call counter set to the same call: the first
+pass delivers all data (its waits time out at once), the second finds every flag set.
 
 Simulation: one zeroed [R, words] workspace (row r = rank r's inbox), one CUDA stream per rank;
 every rank's call is launched on its own stream with ``check=False`` (a host sync inside one
@@ -33,10 +33,11 @@ CONCURRENT = "the exchange needs its ranks running concurrently (each spins on t
 gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=CONCURRENT)]
 
 
-def simulate_ranks(ids, weights, workspace, statuses, *, num_experts, max_tokens, slots,
-                   call_index, max_programs, with_expert_counts=True, timeout_spins=1 << 24,
+def simulate_ranks(ids, weights, workspace, statuses, counters, *, num_experts, max_tokens,
+                   slots, max_programs, with_expert_counts=True, timeout_spins=1 << 24,
                    ranks=None):
-    """Launch every rank's triton_prepare on its own stream; return the plans after a sync."""
+    """Launch every rank's triton_prepare on its own stream (rank r's call counter:
+    ``counters[r]``); return the plans after a sync."""
     ep_size = len(ids)
     streams = [torch.cuda.Stream() for _ in range(ep_size)]
     plans = [None] * ep_size
@@ -47,11 +48,16 @@ def simulate_ranks(ids, weights, workspace, statuses, *, num_experts, max_tokens
             plans[rank] = tp.triton_prepare(
                 ids[rank], weights[rank], workspace, ep_rank=rank, ep_size=ep_size,
                 num_experts=num_experts, max_tokens_per_rank=max_tokens, slot_count=slots,
-                call_index=call_index, with_expert_counts=with_expert_counts,
+                call_counter=counters[rank], with_expert_counts=with_expert_counts,
                 timeout_spins=timeout_spins, max_programs=max_programs, check=False,
                 check_ids=False, status=statuses[rank])
     torch.cuda.synchronize()
     return plans
+
+
+def _counters(ep_size, device):
+    """One zeroed call counter per simulated rank."""
+    return [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ep_size)]
 
 
 def assert_plan_equal(got, want):
@@ -91,16 +97,17 @@ def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tok
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts, slots)
     workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    counters = _counters(ep_size, device)
     tp.warmup(device, ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
               top_k=top_k, slot_count=slots, max_programs=max_programs)
     for call in range(100):  # fresh routing every call: exercises the flags and the parities
         ids, weights, ids_dev, weights_dev = make_inputs(
             ep_size, max_tokens, top_k, experts, slots, generator, device, uneven=call % 3 == 1)
         with_counts = call % 5 != 4
-        plans = simulate_ranks(ids_dev, weights_dev, workspace, statuses,
+        plans = simulate_ranks(ids_dev, weights_dev, workspace, statuses, counters,
                                num_experts=experts, max_tokens=max_tokens, slots=slots,
-                               call_index=call, max_programs=max_programs,
-                               with_expert_counts=with_counts)
+                               max_programs=max_programs, with_expert_counts=with_counts)
+        assert [int(c) for c in counters] == [call + 1] * ep_size  # advanced on the device
         want = ref.simulate_alltoall(ids, weights, experts, max_tokens, slots,
                                      with_expert_counts=with_counts)
         for rank in range(ep_size):
@@ -120,12 +127,12 @@ def test_bit_identical_over_100_runs(device):
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
     tp.warmup(device, ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
               top_k=top_k, max_programs=16, with_expert_counts=(True,))
-    first = simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
-                           max_tokens=max_tokens, slots=experts, call_index=0, max_programs=16)
+    counters = _counters(ep_size, device)
+    first = simulate_ranks(ids, weights, workspace, statuses, counters, num_experts=experts,
+                           max_tokens=max_tokens, slots=experts, max_programs=16)
     for call in range(1, 101):
-        again = simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
-                               max_tokens=max_tokens, slots=experts, call_index=call,
-                               max_programs=16)
+        again = simulate_ranks(ids, weights, workspace, statuses, counters, num_experts=experts,
+                               max_tokens=max_tokens, slots=experts, max_programs=16)
         for rank in range(ep_size):
             for name, tensor in first[rank].tensors().items():
                 assert torch.equal(again[rank].tensors()[name], tensor), (call, rank, name)
@@ -141,12 +148,12 @@ def test_missing_rank_times_out_and_is_named(device):
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts)
     workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
-    simulate_ranks(ids, weights, workspace, statuses, num_experts=experts,
-                   max_tokens=max_tokens, slots=experts, call_index=0, max_programs=2,
+    simulate_ranks(ids, weights, workspace, statuses, _counters(ep_size, device),
+                   num_experts=experts, max_tokens=max_tokens, slots=experts, max_programs=2,
                    timeout_spins=1000, ranks=[0])  # rank 1 never comes
     assert statuses[0].tolist() == [0, 1]  # source 1 timed out in call 0 (value call + 1)
     with pytest.raises(tp.PrepareTimeout, match=r"source rank\(s\) \[1\]"):
-        tp.raise_on_timeout(statuses[0], 0, 0)
+        tp.raise_on_timeout(statuses[0], 0)
 
 
 @gpu_only[0]
@@ -155,9 +162,15 @@ def test_workspace_checks(device):
     ids = torch.zeros(4, 2, dtype=torch.int32, device=device)
     weights = torch.zeros(4, 2, dtype=torch.float32, device=device)
     small = torch.zeros((2, 8), dtype=torch.int64, device=device)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="prepare_workspace_words"):
         tp.triton_prepare(ids, weights, small, ep_rank=0, ep_size=2, num_experts=4,
-                          max_tokens_per_rank=4, call_index=0)
+                          max_tokens_per_rank=4, call_counter=counter)
+    words = tp.prepare_workspace_words(2, 4, 2, 4)
+    workspace = torch.zeros((2, words), dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="call_counter must have 1 entry"):
+        tp.triton_prepare(ids, weights, workspace, ep_rank=0, ep_size=2, num_experts=4,
+                          max_tokens_per_rank=4, call_counter=counter.repeat(2))
 
 
 @pytest.mark.gpu
@@ -174,17 +187,22 @@ def test_fast_path_has_no_host_sync_and_captures_in_a_cuda_graph(device):
     words = tp.prepare_workspace_words(1, max_tokens, top_k, experts)
     workspace = torch.zeros((1, words), dtype=torch.int64, device=device)
     status = torch.zeros(1, dtype=torch.int64, device=device)
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan = tp.triton_prepare(ids_dev[0], weights_dev[0], workspace, ep_rank=0, ep_size=1,
                                  num_experts=experts, max_tokens_per_rank=max_tokens,
-                                 call_index=0, check=False, check_ids=False, status=status)
+                                 call_counter=counter, check=False, check_ids=False,
+                                 status=status)
         local = prepare.local_send_plan(ids_dev[0], experts, 1, max_tokens_per_rank=max_tokens,
                                         check_ids=False)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert status.tolist() == [0]
-    assert_plan_equal(plan, ref.simulate_alltoall(ids, weights, experts, max_tokens)[0])
+    want_plan = ref.simulate_alltoall(ids, weights, experts, max_tokens)[0]
+    for replay in range(1, 4):  # every replay is a new call: the counter, the parity advance
+        plan.recv_rank_local_indices.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert counter.tolist() == [replay] and status.tolist() == [0]
+        assert_plan_equal(plan, want_plan)
     want = ref.local_send_plan(ids[0], experts, 1, max_tokens_per_rank=max_tokens)
     for name, tensor in want.tensors().items():
         assert torch.equal(local.tensors()[name].cpu(), tensor), name
@@ -198,7 +216,8 @@ def test_bad_id_raises_before_anything_is_sent(device):
     workspace = torch.zeros((2, words), dtype=torch.int64, device=device)
     with pytest.raises(ValueError, match="expert id -1"):
         tp.triton_prepare(ids, weights, workspace, ep_rank=0, ep_size=2, num_experts=4,
-                          max_tokens_per_rank=4, call_index=0, check_ids=True)
+                          max_tokens_per_rank=4, check_ids=True,
+                          call_counter=torch.zeros(1, dtype=torch.int64, device=device))
     assert int(workspace.abs().sum()) == 0  # no count, row or flag was written
 
 
@@ -231,17 +250,22 @@ def test_exchange_index_math_emulated_on_cpu(monkeypatch, ep_size, max_tokens, t
     workspace = torch.zeros((ep_size, words), dtype=torch.int64)
     tp.warmup("cpu", ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
               top_k=top_k, slot_count=slots, max_programs=max_programs)  # touches no workspace
+    counters = _counters(ep_size, "cpu")
     for call in range(2):  # two calls: both parities of the double buffer
         ids, weights, _, _ = make_inputs(ep_size, max_tokens, top_k, experts, slots, generator,
                                          "cpu", uneven=True)
         for spins in (2, 1000):  # pass 1 delivers (its waits time out), pass 2 receives
             statuses = [torch.zeros(ep_size, dtype=torch.int64) for _ in range(ep_size)]
+            for counter in counters:
+                counter.fill_(call)  # both passes are call `call`
             plans = [tp.triton_prepare(
                 ids[rank], weights[rank], workspace, ep_rank=rank, ep_size=ep_size,
                 num_experts=experts, max_tokens_per_rank=max_tokens, slot_count=slots,
-                call_index=call, with_expert_counts=with_counts, timeout_spins=spins,
-                max_programs=max_programs, check=spins > 2, status=statuses[rank])
+                call_counter=counters[rank], with_expert_counts=with_counts,
+                timeout_spins=spins, max_programs=max_programs, check=spins > 2,
+                status=statuses[rank])
                 for rank in range(ep_size)]
+            assert [int(c) for c in counters] == [call + 1] * ep_size
         want = ref.simulate_alltoall(ids, weights, experts, max_tokens, slots,
                                      with_expert_counts=with_counts)
         for rank in range(ep_size):
