@@ -55,6 +55,15 @@ class RunContext:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
+    def gather(self, value: Any) -> list:
+        """``value`` of every rank, in rank order (a picklable object; [value] alone)."""
+        if self.group is None:
+            return [value]
+        import torch.distributed as dist
+        values: list = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
     def slowest(self, timing: Timing) -> Timing:
         """The measurement of the rank with the largest median (what the layer waits for)."""
         if self.group is None:
@@ -219,7 +228,11 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
             ok, note = False, f"error: {_brief(error)}"
     if not ctx.agree(ok is True):
         if ok is True:
-            ok, note = False, "another rank failed this path"
+            failed = [f"rank {rank}: {their_note}" for rank, (their_ok, their_note)
+                      in enumerate(ctx.gather((ok, note))) if their_ok is not True]
+            ok, note = False, "another rank failed this path (" + "; ".join(failed) + ")"
+        else:
+            ctx.gather((ok, note))  # the same collective on every rank
         return record(ok=ok, note=note)
     try:
         timing = _time(stage, path, ctx)
