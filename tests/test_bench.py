@@ -530,3 +530,30 @@ def test_two_gpu_layer_rows_check_both_payloads(tmp_path):
         rows = {r["backend"]: r for r in layer if r["shape"].get("payload") == payload}
         assert rows["triton"]["ok"] is True and rows["torch"]["ok"] is True, rows
         assert rows["flashinfer"]["ok"] is not False, rows["flashinfer"]
+
+
+def test_canonical_plan_orders_equal_id_rows_by_weight():
+    """FlashInfer's receive segments come in atomic order. Rows with the same ids (common under
+    skewed routing) differ in their weights, so the canonical order sorts by ids, then weights:
+    a plan with such rows swapped canonicalizes equal, one with a changed weight does not."""
+    import dataclasses
+
+    from bench.transport import _canonical_plan
+    from kernels.reference import simulate_alltoall
+    ids = [torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1]], dtype=torch.int32),
+           torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)]
+    weights = [torch.tensor([[0.1, 0.9], [0.7, 0.3], [0.5, 0.5], [0.2, 0.8]]),
+               torch.tensor([[0.6, 0.4], [0.3, 0.7]])]
+    plan = simulate_alltoall(ids, weights, 4, 4)[0]
+    want = _canonical_plan(plan)
+    end = int(plan.recv_rank_count_cumsum[0])  # rank 0's own rows: ids (0, 1) three times
+    assert end == 3 and bool((plan.recv_expert_ids[:end] == plan.recv_expert_ids[0]).all())
+    order = torch.tensor([2, 0, 1] + list(range(3, plan.recv_weights.shape[0])))
+    swapped = dataclasses.replace(plan, recv_expert_ids=plan.recv_expert_ids[order],
+                                  recv_weights=plan.recv_weights[order])
+    for name, value in _canonical_plan(swapped).items():
+        assert torch.equal(value, want[name]), name
+    changed = plan.recv_weights.clone()
+    changed[1, 0] += 0.25
+    got = _canonical_plan(dataclasses.replace(plan, recv_weights=changed))
+    assert not torch.equal(got["recv_weights"], want["recv_weights"])
