@@ -197,16 +197,10 @@ def _recover_from_failed_capture(device: torch.device, stream, rng_state: torch.
         torch.cuda.set_rng_state(rng_state, device)
 
 
-def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
-               samples: int = GRAPH_SAMPLES) -> Timing:
-    """Time ``fn`` by CUDA-graph replay: a graph of ``n`` calls (``n`` sized so one replay
-    lasts about ``replay_ms``), replayed ``samples`` times between CUDA events; a sample is
-    one replay / ``n``. No L2 flush (launch-bound paths move little data).
-
-    ``fn`` must be capture-safe: no host syncs (``.item()``, ``.tolist()``, data-dependent
-    shapes). If the capture fails anyway, the capture is ended, torch's CUDA generator state
-    is repaired and restored (:func:`_recover_from_failed_capture`) and :class:`CaptureFailed`
-    is raised."""
+def _sized_graph(fn: Callable[[], object], replay_ms: float):
+    """Warm ``fn`` up on a side stream, then capture a CUDA graph of ``n`` calls of it, ``n``
+    sized so that one replay lasts about ``replay_ms``. Returns (graph, n, stream). A failed
+    capture is cleaned up (:func:`_recover_from_failed_capture`) and re-raised."""
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
@@ -219,14 +213,27 @@ def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
         estimate_ms = _replay_ms(one, stream, GRAPH_ESTIMATE_REPLAYS)
         del one
         calls = int(max(1, min(MAX_CALLS_PER_GRAPH, round(replay_ms / max(estimate_ms, 1e-4)))))
-        many = _capture(fn, calls, stream)
+        return _capture(fn, calls, stream), calls, stream
     except CaptureFailed:
         _recover_from_failed_capture(device, stream, rng_state)
         raise
+
+
+def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
+               samples: int = GRAPH_SAMPLES) -> Timing:
+    """Time ``fn`` by CUDA-graph replay: a graph of ``n`` calls (``n`` sized so one replay
+    lasts about ``replay_ms``), replayed ``samples`` times between CUDA events; a sample is
+    one replay / ``n``. No L2 flush (launch-bound paths move little data).
+
+    ``fn`` must be capture-safe: no host syncs (``.item()``, ``.tolist()``, data-dependent
+    shapes). If the capture fails anyway, the capture is ended, torch's CUDA generator state
+    is repaired and restored (:func:`_recover_from_failed_capture`) and :class:`CaptureFailed`
+    is raised."""
+    many, calls, stream = _sized_graph(fn, replay_ms)
     _replay_ms(many, stream, 1)  # warm replay
     times = [_replay_ms(many, stream, 1) / calls for _ in range(samples)]
     del many
-    torch.cuda.synchronize(device)
+    torch.cuda.synchronize()
     return _from_samples(times, "cuda_graph")
 
 
@@ -236,35 +243,20 @@ def time_graph_flushed(fn: Callable[[], object], *, replay_ms: float = GRAPH_REP
     sample is (one replay of ``n`` x (flush, call) - one replay of ``n`` x flush) / ``n``, both
     graphs replayed alternately. The kernel's time from a cold L2 without the host's launch
     cost, for short kernels whose eager timing would show the host."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = _flusher(device)
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize(device)
-    rng_state = torch.cuda.get_rng_state(device)
+    flush = _flusher(torch.device("cuda", torch.cuda.current_device()))
 
     def flushed_call():
         flush()
         fn()
 
-    try:
-        one = _capture(flushed_call, 1, stream)
-        estimate_ms = _replay_ms(one, stream, GRAPH_ESTIMATE_REPLAYS)
-        del one
-        calls = int(max(1, min(MAX_CALLS_PER_GRAPH, round(replay_ms / max(estimate_ms, 1e-4)))))
-        with_calls = _capture(flushed_call, calls, stream)
-    except CaptureFailed:
-        _recover_from_failed_capture(device, stream, rng_state)
-        raise
+    with_calls, calls, stream = _sized_graph(flushed_call, replay_ms)
     flushes = _capture(flush, calls, stream)
     _replay_ms(with_calls, stream, 1)
     _replay_ms(flushes, stream, 1)
     times = [(_replay_ms(with_calls, stream, 1) - _replay_ms(flushes, stream, 1)) / calls
              for _ in range(samples)]
     del with_calls, flushes
-    torch.cuda.synchronize(device)
+    torch.cuda.synchronize()
     return _from_samples(times, "cuda_graph_l2_flushed")
 
 
