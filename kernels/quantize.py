@@ -24,10 +24,10 @@ word's two elements become two fp32 values by bit operations, and their two code
 byte (FP4) or one uint16 (MXFP8) at the word's index, so no tensor is split or reshaped.
 
 Launch rule (fixed, no autotune; ``python -m bench.tune`` times the alternatives): a program
-quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks (up to
-MAX_BLOCKS_PER_PROGRAM), about TILE_ELEMENTS elements with NUM_WARPS warps; the grid covers
-rows x blocks, padded to the swizzled tile so that the same programs write the zero padding
-of the scales.
+quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks, about NVFP4_TILE_ELEMENTS
+(NVFP4) or TILE_ELEMENTS (MX, dequantize) elements with up to NVFP4_NUM_WARPS / NUM_WARPS warps,
+smaller for small M (``_tile``); the grid covers rows x blocks, padded to the swizzled tile so
+that the same programs write the zero padding of the scales.
 """
 
 from __future__ import annotations
