@@ -344,3 +344,18 @@ def test_dequantize_keeps_negative_zero(device):
     assert torch.equal(out.view(torch.int32), R.dequantize_nvfp4(packed, scales, gs)
                        .view(torch.int32))
     assert bool(torch.signbit(out[0, 1::2]).all()) and not bool(torch.signbit(out[0, ::2]).any())
+
+
+def test_launch_rule_shrinks_tiles_for_small_m():
+    """Large M: the configured NVFP4 tile (8192 elements, 64 blocks, 8 warps). Small M: fewer
+    rows per program until the grid has 2 programs per SM, with warps shrunk alike."""
+    cpu = torch.device("cpu")  # _num_sms stands in 4 SMs here: at least 8 programs
+    rows, blocks, warps = Q._tile(8192, 448, 16, cpu, nvfp4=True)
+    assert (rows * blocks * 16, blocks, warps) == (Q.NVFP4_TILE_ELEMENTS, Q.NVFP4_MAX_BLOCKS,
+                                                   Q.NVFP4_NUM_WARPS)
+    rows, blocks, warps = Q._tile(2, 8, 16, cpu, nvfp4=True)  # 2 rows of 8 blocks
+    assert (rows, blocks, warps) == (1, 8, 1)
+    rows, blocks, warps = Q._tile(16, 448, 16, cpu, nvfp4=True)
+    assert 16 // rows * -(-448 // blocks) >= 8 and warps == max(1, rows * blocks * 16 // 1024)
+    rows, blocks, warps = Q._tile(8192, 224, 32, cpu)  # MX: the plain constants
+    assert (rows * blocks * 32, warps) == (Q.TILE_ELEMENTS, Q.NUM_WARPS)
