@@ -191,7 +191,6 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
 
     # ---- receive: chunk `chunk` of what source `peer` sent here ----------------------------
     my_row32 = ws32 + ep_rank.to(tl.int64) * row_stride32
-    my_row64 = ws64 + ep_rank.to(tl.int64) * ws_row_stride
     sources = tl.arange(0, R_PAD)
     source_ok = sources < ep_size
     arrived = _wait_for_flags(my_row64 + sources * MAX_CHUNKS + chunk, source_ok,
