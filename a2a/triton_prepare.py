@@ -103,9 +103,10 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _wait_for_flags(flag_ptrs, mask, expected, timeout_spins):
+def wait_for_flags(flag_ptrs, mask, expected, timeout_spins):
     """Spin until every masked flag is >= expected (acquire, system scope) or the spin bound is
-    reached. Returns [n] int1: flag arrived (True for masked-off lanes)."""
+    reached. Returns [n] int1: flag arrived (True for masked-off lanes). Used by the exchange
+    kernel here and by the fused combine of a2a/triton_transport.py."""
     arrived = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
     ok = (arrived >= expected) | (mask == 0)
     done = tl.min(ok.to(tl.int32), axis=0)
@@ -193,8 +194,8 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
     my_row32 = ws32 + ep_rank.to(tl.int64) * row_stride32
     sources = tl.arange(0, R_PAD)
     source_ok = sources < ep_size
-    arrived = _wait_for_flags(my_row64 + sources * MAX_CHUNKS + chunk, source_ok,
-                              flag_value.to(tl.int64), timeout_spins)
+    arrived = wait_for_flags(my_row64 + sources * MAX_CHUNKS + chunk, source_ok,
+                             flag_value.to(tl.int64), timeout_spins)
     tl.debug_barrier()  # the acquiring thread's view before any thread reads the data
     missing = source_ok & (arrived == 0)
     tl.atomic_max(status_ptr + sources, flag_value.to(tl.int64), mask=missing)

@@ -92,7 +92,7 @@ import torch
 import triton
 import triton.language as tl
 
-from a2a.triton_prepare import TIMEOUT_SPINS, advance_call
+from a2a.triton_prepare import TIMEOUT_SPINS, wait_for_flags, advance_call
 from kernels.permute import _round_to
 from kernels.types import AlltoallPlan
 from kernels.validate import check_tensor
@@ -282,16 +282,10 @@ def _reduce_kernel(out_ptr, slot_map_ptr, ws_ptr, ws_row_stride, counter_ptr, st
     lanes = tl.arange(0, FLAG_BLOCK)
     source = lanes // num_chunks
     wanted = lanes < ep_size * num_chunks
-    flags = ws64 + my_row + source * MAX_CHUNKS + lanes % num_chunks
-    seen = tl.atomic_add(flags, 0, mask=wanted, sem="acquire", scope="sys")
-    seen = tl.where(wanted, seen, expected)
-    spins = 0
-    while (tl.min(seen, axis=0) < expected) & (spins < timeout_spins):
-        seen = tl.atomic_add(flags, 0, mask=wanted, sem="acquire", scope="sys")
-        seen = tl.where(wanted, seen, expected)
-        spins += 1
-    arrived = tl.min(seen, axis=0) >= expected
-    tl.atomic_max(status_ptr + source, expected, mask=seen < expected)
+    ok = wait_for_flags(ws64 + my_row + source * MAX_CHUNKS + lanes % num_chunks, wanted,
+                        expected, timeout_spins)
+    arrived = tl.min(ok.to(tl.int32), axis=0) != 0
+    tl.atomic_max(status_ptr + source, expected, mask=wanted & (ok == 0))
     tl.debug_barrier()
 
     # Row i of source s in this call's inbox, in payload elements from the workspace start.

@@ -69,8 +69,8 @@ AMAX_NUM_WARPS = 8
 AMAX_PROGRAMS_PER_SM = 4
 AMAX_FINISH_BLOCK = 1024  # the finishing program reads the partials this many at a time
 _INTERPRETER_SMS = 4  # stands in for the SM count under TRITON_INTERPRET
-# Use the GPU's cvt.rn.satfinite.e4m3x2.f32 (via Triton's fp8 cast) for e4m3 on a GPU; tests
-# set it to False to check the software path on the GPU too.
+# MXFP8 elements: the GPU's cvt.rn.satfinite.e4m3x2.f32 (inline PTX, ``_e4m3_pairs``) on a GPU;
+# tests set it to False to check the software path on the GPU too.
 _HARDWARE_E4M3 = True
 # The same numbers as constexprs, for the kernels.
 _INV6 = tl.constexpr(INV_E2M1_MAX)
@@ -187,22 +187,15 @@ def _scale_offsets(rows, blocks, padded_blocks, LAYOUT: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(x_ptr, rows_ptr, row_start, col_start, num_rows, num_src_rows, hidden,
-               stride_row, stride_col, HAS_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               COLS: tl.constexpr):
-    """Rows [row_start, +BLOCK_ROWS) (gathered through rows_ptr when HAS_ROWS; a gathered id
-    outside [0, num_src_rows) reads zeros) and columns [col_start, +COLS) of x as fp32."""
+def _load_tile(x_ptr, row_start, col_start, num_rows, hidden, stride_row, stride_col,
+               BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows [row_start, +BLOCK_ROWS) and columns [col_start, +COLS) of x as fp32 (zeros
+    outside x)."""
     rows = row_start + tl.arange(0, BLOCK_ROWS)
     cols = col_start + tl.arange(0, COLS)
-    row_ok = rows < num_rows
-    if HAS_ROWS:
-        src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        row_ok = row_ok & (src >= 0) & (src < num_src_rows)
-    else:
-        src = rows.to(tl.int64)
-    mask = row_ok[:, None] & (cols < hidden)[None, :]
-    x = tl.load(x_ptr + src[:, None] * stride_row + cols[None, :].to(tl.int64) * stride_col,
-                mask=mask, other=0.0)
+    mask = (rows < num_rows)[:, None] & (cols < hidden)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_row
+                + cols[None, :].to(tl.int64) * stride_col, mask=mask, other=0.0)
     return x.to(tl.float32)
 
 
@@ -400,9 +393,8 @@ def _amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, strid
     step = 0
     while step < tiles_per_program:  # (a while loop: the interpreter cannot range() over an arg)
         tile = tl.program_id(0) + step * tl.num_programs(0)
-        x = _load_tile(x_ptr, x_ptr, (tile // col_tiles) * BLOCK_ROWS, (tile % col_tiles) * COLS,
-                       num_rows, num_rows, hidden, stride_row, stride_col, False, BLOCK_ROWS,
-                       COLS)
+        x = _load_tile(x_ptr, (tile // col_tiles) * BLOCK_ROWS, (tile % col_tiles) * COLS,
+                       num_rows, hidden, stride_row, stride_col, BLOCK_ROWS, COLS)
         acc = _max_nan(acc, tl.abs(x))
         step += 1
     tl.store(partial_ptr + tl.program_id(0), tl.reduce(tl.reduce(acc, 1, _max_nan), 0, _max_nan))
