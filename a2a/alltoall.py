@@ -381,7 +381,7 @@ class MoEAlltoall:
 
     def _dispatch_rows(self, rows: torch.Tensor, plan: AlltoallPlan, name: str) -> torch.Tensor:
         if self.backends["transport"] == "triton":
-            moved = self._triton_transfer("dispatch", _as_bytes(rows), plan, name)
+            moved = self._triton_dispatch(_as_bytes(rows), plan, name)
         elif self.backends["transport"] == "flashinfer":
             from a2a.flashinfer_comm import check_row_bytes, flashinfer_dispatch_rows
             check_row_bytes(name, rows)
@@ -391,12 +391,12 @@ class MoEAlltoall:
             moved = torch_dispatch_rows(_as_bytes(rows), plan, self.group)
         return moved.view(rows.dtype)
 
-    def _triton_transfer(self, kind: str, rows: torch.Tensor, plan: AlltoallPlan,
+    def _triton_dispatch(self, rows: torch.Tensor, plan: AlltoallPlan,
                          name: str) -> torch.Tensor:
         """One Triton-transport dispatch of byte rows (no host sync)."""
         from a2a import triton_transport
         triton_transport.check_row_bytes(name, rows.shape[1])
-        workspace, counter = self._transport_workspace(kind, rows.shape[1])
+        workspace, counter = self._transport_workspace("dispatch", rows.shape[1])
         return triton_transport.triton_dispatch_rows(
             rows, plan, workspace, call_counter=counter, status=self._transport_status,
             check=False)

@@ -333,9 +333,9 @@ COMBINE = Stage(
 
 def _canonical_plan(plan) -> dict:
     """The plan with FlashInfer's atomic order taken out: each send segment sorted by token
-    (backward indices moved along), each receive segment's (ids, weights) rows sorted by ids,
-    then by weights (rows with equal ids, common under skewed routing, differ in their
-    weights: sorting by the ids alone left them in arrival order)."""
+    (backward indices moved along), each receive segment's (ids, weights) rows sorted by their
+    content (:func:`_canonical_rows`; rows with equal ids, common under skewed routing, differ
+    in their weights: sorting by the ids alone left them in arrival order)."""
     out = {"send_rank_count_cumsum": plan.send_rank_count_cumsum,
            "recv_rank_count_cumsum": plan.recv_rank_count_cumsum}
     send = plan.send_rank_local_indices.clone()
@@ -343,16 +343,8 @@ def _canonical_plan(plan) -> dict:
     for start, end in _segments(plan.send_rank_count_cumsum):
         order = send[start:end].long().argsort() + start
         send[start:end], backward[start:end] = send[order], backward[order]
-    ids, weights = plan.recv_expert_ids.clone(), plan.recv_weights.clone()
-    for start, end in _segments(plan.recv_rank_count_cumsum):
-        # Lexicographic order of the (ids, weights) rows: stable sorts from the last key to
-        # the first.
-        order = torch.arange(start, end, device=ids.device)
-        keys = [ids[:, c].long() for c in range(ids.shape[1])] + \
-            [weights[:, c] for c in range(weights.shape[1])]
-        for key in reversed(keys):
-            order = order[key[order].argsort(stable=True)]
-        ids[start:end], weights[start:end] = ids[order], weights[order]
+    ids, weights = _canonical_rows((plan.recv_expert_ids, plan.recv_weights),
+                                   plan.recv_rank_count_cumsum)
     out.update(send_rank_local_indices=send, backward_recv_rank_local_indices=backward,
                recv_rank_local_indices=plan.recv_rank_local_indices, recv_expert_ids=ids,
                recv_weights=weights)

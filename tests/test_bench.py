@@ -534,7 +534,7 @@ def test_two_gpu_layer_rows_check_both_payloads(tmp_path):
 
 def test_canonical_plan_orders_equal_id_rows_by_weight():
     """FlashInfer's receive segments come in atomic order. Rows with the same ids (common under
-    skewed routing) differ in their weights, so the canonical order sorts by ids, then weights:
+    skewed routing) differ in their weights, so the canonical order sorts by the whole row:
     a plan with such rows swapped canonicalizes equal, one with a changed weight does not."""
     import dataclasses
 
