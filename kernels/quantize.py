@@ -52,13 +52,13 @@ LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # constexpr LAYO
 # Launch rules, from ``python -m bench.tune`` on an H200 (2026-11-30; [8192, 7168] bf16, graph
 # replay after an L2 flush): NVFP4 8192 elements x up to 64 blocks per program, 8 warps:
 # 53.9 us (4096 / 32 / 4 warps: 59.0); MXFP8 (and the dequantizers) 4096 / 32 / 4: 44.6 us.
-NVFP4_TILE_ELEMENTS = 8192
+NVFP4_TILE_ELEMENTS = 4096
 NVFP4_MAX_BLOCKS = 64  # 64 NVFP4 blocks = 1024 columns = 2 KiB of bf16 per row
 NVFP4_NUM_WARPS = 8
+NVFP4_STEPS = 8  # tiles per program along its rows (unrolled, each prefetching the next)
 TILE_ELEMENTS = 4096
 MAX_BLOCKS_PER_PROGRAM = 32
 NUM_WARPS = 4
-ELEMENTS_PER_WARP = 1024  # smaller tiles (small M) get fewer warps, at this ratio
 # The global-scale pass: a persistent grid of AMAX_PROGRAMS_PER_SM programs per SM, each
 # looping over [AMAX_TILE_ROWS, AMAX_TILE_COLS] tiles (16 KiB of bf16 per step, 8 warps: 4
 # 16-byte loads per thread in flight), then one tiny program reduces the per-program maxima.
@@ -72,12 +72,16 @@ _INTERPRETER_SMS = 4  # stands in for the SM count under TRITON_INTERPRET
 # MXFP8 elements: the GPU's cvt.rn.satfinite.e4m3x2.f32 (inline PTX, ``_e4m3_pairs``) on a GPU;
 # tests set it to False to check the software path on the GPU too.
 _HARDWARE_E4M3 = True
+# NVFP4 (IEEE recipe) of bf16/fp16 on a GPU: the word-level inline PTX (``_e2m1_words``,
+# ``_words_amax``); tests set it to False to check the portable path on the GPU too.
+_WORD_ASM = True
 # The same numbers as constexprs, for the kernels.
 _INV6 = tl.constexpr(INV_E2M1_MAX)
 _INV448 = tl.constexpr(INV_E4M3_MAX)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 _FLT_MAX = tl.constexpr(FLT_MAX)
 _GLOBAL_NUMERATOR = tl.constexpr(NVFP4_GLOBAL_NUMERATOR)
+_E2M1_BITS_BASE = tl.constexpr(0x4B000000)  # the fp32 bits of 2^23
 _TWO_POW_M127 = tl.constexpr(2.0 ** -127)  # e8m0 code 0 / the inverse of code 254 (subnormal)
 
 
@@ -93,18 +97,36 @@ def _rcp_approx(x):
 
 
 @triton.jit
+def _e2m1_magnitude_bits(a):
+    """e2m1 magnitude code of ``a`` = |y| (fp32 >= +0, inf or NaN; RNE, satfinite), as the
+    bits of the fp32 2^23 + code (``_E2M1_BITS_BASE + code``; ``_e2m1_magnitude`` subtracts).
+
+    The three e2m1 ranges have steps 0.5, 1 and 2, i.e. code 2a below 2, a + 2 in [2, 4] and
+    a / 2 + 4 above. Each candidate is rounded by one fp32 operation whose result lies in
+    [2^23, 2^24), where the ulp is 1: ``2a + 2^23``, ``a + (2^23 + 2)`` and
+    ``a / 2 + (2^23 + 4)`` (the products by 2 and 1/2 are exact, so a separate multiply and
+    add round the same as an FMA; the added integers are even, so ties still go to the even
+    mantissa). The code is the smallest candidate, capped at 7: 2a <= a + 2 <= a / 2 + 4
+    below 2, a + 2 is the smallest in [2, 4] and a / 2 + 4 above 4, and rounding keeps these
+    orders. In [2^23, 2^24) the bits grow with the value, so the minimum is taken on the bits;
+    inf and NaN bits are larger still (code 7). On a GPU: three FMA-pipe operations and two
+    integer min instructions per element."""
+    f0 = tl.fma(a, 2.0, 8388608.0).to(tl.int32, bitcast=True)
+    f1 = (a + 8388610.0).to(tl.int32, bitcast=True)
+    f2 = tl.fma(a, 0.5, 8388612.0).to(tl.int32, bitcast=True)
+    return tl.minimum(tl.minimum(tl.minimum(f0, f1), f2), _E2M1_BITS_BASE + 7)
+
+
+@triton.jit
+def _e2m1_magnitude(a):
+    """e2m1 magnitude code (int32 0..7) of ``a`` = |y| (``_e2m1_magnitude_bits``)."""
+    return _e2m1_magnitude_bits(a) - _E2M1_BITS_BASE
+
+
+@triton.jit
 def _e2m1_code(y):
     """fp32 -> e2m1 code (int32 0..15): RNE, satfinite at 6, sign kept, NaN -> 7 | sign."""
-    bits = y.to(tl.int32, bitcast=True)
-    # The magic number's ulp is the e2m1 step of |y|'s range: 2^22 (ulp 0.5) below 2, 2^23
-    # (ulp 1) in [2, 4), 2^24 (ulp 2) in [4, 8), i.e. exponent max(exponent(y) + 22, 149);
-    # beyond 8 (and for inf/NaN, whose sum wraps below 149) the code saturates anyway.
-    magic = tl.maximum((bits & 0x7F800000) + (22 << 23), 149 << 23)
-    steps = (tl.abs(y) + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic
-    # codes of the ranges' first values: 0 -> 0, 2 -> 4, 4 -> 6, counted in their steps:
-    # code = steps + 2 * (magic exponent - 149) = steps + (magic >> 22) - 298
-    code = steps + (magic >> 22) - 298
-    return tl.minimum(code, 7) | ((bits >> 28) & 0x8)
+    return _e2m1_magnitude(tl.abs(y)) | ((y.to(tl.int32, bitcast=True) >> 28) & 0x8)
 
 
 @triton.jit
@@ -120,6 +142,28 @@ def _e4m3_code(x):
     subnormal = (magnitude * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
     code = tl.where(a < 0x3C800000, subnormal, normal) | sign  # 0x3C800000 = 2^-6
     return tl.where(a > 0x7F800000, 0x7F, code)
+
+
+@triton.jit
+def _e4m3_round(x):
+    """fp32 -> (float8_e4m3fn bits as int32, their fp32 value): ``_e4m3_code`` and
+    ``_e4m3_value`` of it in one pass, for the per-block NVFP4 scale. Normal range: the bits
+    rounded to 3 mantissa bits (ties to even), capped at 448's bits, give the value (mantissa
+    cleared) and the code (rebias); subnormal range (< 2^-6): |x| + 2^14, whose ulp is the
+    e4m3 step 2^-9, counts the code in its low bits and minus 2^14 is the value."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    rounded = tl.minimum(a + 0x7FFFF + ((a >> 20) & 1), 0x43E00000)  # 0x43E00000 = 448
+    sum_small = tl.abs(x) + 16384.0
+    small = a < 0x3C800000  # 2^-6
+    code = tl.where(small, sum_small.to(tl.int32, bitcast=True) - 0x46800000,
+                    (rounded >> 20) - 960)
+    normal = (rounded & -1048576).to(tl.float32, bitcast=True)  # mantissa cleared
+    value = tl.where(small, sum_small - 16384.0, normal).to(tl.int32, bitcast=True)
+    value = (value | (bits & -2147483648)).to(tl.float32, bitcast=True)  # x's sign
+    nan = a > 0x7F800000
+    return (tl.where(nan, 0x7F, code | ((bits >> 24) & 0x80)),
+            tl.where(nan, x, value))
 
 
 @triton.jit
@@ -171,19 +215,37 @@ def _e8m0_value(code):
 
 
 @triton.jit
-def _scale_offsets(rows, blocks, padded_blocks, LAYOUT: tl.constexpr):
-    """Byte offsets of scales (rows[:, None], blocks[None, :]) in a layout with padded_blocks
-    blocks per row (the formulas of kernels.reference.scale_offsets)."""
-    rows = rows.to(tl.int64)[:, None]
-    blocks = blocks.to(tl.int64)[None, :]
-    k_tiles = padded_blocks // 4
+def _scale_row_offsets(rows, padded_blocks, LAYOUT: tl.constexpr):
+    """The row part (int64) of the byte offsets of scales in a layout with padded_blocks blocks
+    per row (the formulas of kernels.reference.scale_offsets, split as row part + block
+    part, so that a program walking along a row computes the row part once)."""
+    rows = rows.to(tl.int64)
     if LAYOUT == 0:  # linear
-        return rows * padded_blocks + blocks
+        return rows * padded_blocks
     elif LAYOUT == 1:  # swizzled_128x4
-        return ((rows // 128) * k_tiles * 512 + (blocks // 4) * 512 + (rows % 32) * 16
-                + ((rows % 128) // 32) * 4 + blocks % 4)
+        return ((rows // 128) * (padded_blocks // 4) * 512 + (rows % 32) * 16
+                + ((rows % 128) // 32) * 4)
     else:  # 8x4
-        return (rows // 8) * k_tiles * 32 + (blocks // 4) * 32 + (rows % 8) * 4 + blocks % 4
+        return (rows // 8) * (padded_blocks // 4) * 32 + (rows % 8) * 4
+
+
+@triton.jit
+def _scale_block_offsets(blocks, LAYOUT: tl.constexpr):
+    """The block part (int32) of the scale byte offsets (see ``_scale_row_offsets``)."""
+    if LAYOUT == 0:
+        return blocks
+    elif LAYOUT == 1:
+        return (blocks // 4) * 512 + blocks % 4
+    else:
+        return (blocks // 4) * 32 + blocks % 4
+
+
+@triton.jit
+def _scale_offsets(rows, blocks, padded_blocks, LAYOUT: tl.constexpr):
+    """Byte offsets (int64) of scales (rows[:, None], blocks[None, :]) in a layout with
+    padded_blocks blocks per row."""
+    return (_scale_row_offsets(rows, padded_blocks, LAYOUT)[:, None]
+            + _scale_block_offsets(blocks, LAYOUT)[None, :])
 
 
 @triton.jit
@@ -214,23 +276,27 @@ def _source_rows(rows_ptr, row_start, num_rows, num_src_rows, HAS_ROWS: tl.const
 
 
 @triton.jit
-def _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
-                FIRST: tl.constexpr, IN_KIND: tl.constexpr, BLOCKS: tl.constexpr,
-                PAIRS: tl.constexpr, WIDTH: tl.constexpr):
+def _load_words(row_ptrs, row_ok, block_start, num_blocks, FIRST: tl.constexpr,
+                BLOCKS: tl.constexpr, PAIRS: tl.constexpr, WIDTH: tl.constexpr):
     """Words [FIRST, FIRST + WIDTH) of scale blocks [block_start, +BLOCKS) (PAIRS words per
-    block) of rows ``src``, x read as words of two elements (``words_ptr``: x viewed as int32
-    for bf16/fp16, int64 for fp32; ``stride_row`` in words). Returns (lo, hi, words): fp32
-    [R, BLOCKS, WIDTH] elements 2i and 2i + 1, and the int64 word offsets [1, BLOCKS, WIDTH]
-    within a row (the packed FP4 byte offsets too). Masked rows and blocks read zeros.
+    block) of the rows starting at ``row_ptrs`` ([R] pointers into x read as words of two
+    elements: int32 for bf16/fp16, int64 for fp32). Returns (words [R, BLOCKS, WIDTH], their
+    int32 offsets [1, BLOCKS, WIDTH] within a row, which are the packed FP4 byte offsets too).
+    Masked rows and blocks read zeros.
 
     A kernel reads a block in parts of WIDTH = 4 words (one 16-byte load): each thread then
     holds whole blocks, so the block reductions, the per-block scale math (done once per
     block, not once per thread sharing it) and the nibble packing need no data exchange."""
     blocks = block_start + tl.arange(0, BLOCKS)
-    words = ((blocks.to(tl.int64) * PAIRS + FIRST)[None, :, None]
-             + tl.arange(0, WIDTH)[None, None, :])
+    offsets = (blocks * PAIRS + FIRST)[None, :, None] + tl.arange(0, WIDTH)[None, None, :]
     mask = row_ok[:, None, None] & (blocks < num_blocks)[None, :, None]
-    w = tl.load(words_ptr + src[:, None, None] * stride_row + words, mask=mask, other=0)
+    return tl.load(row_ptrs[:, None, None] + offsets, mask=mask, other=0), offsets
+
+
+@triton.jit
+def _unpack_words(w, IN_KIND: tl.constexpr):
+    """fp32 (lo, hi): elements 2i and 2i + 1 of words ``w`` (IN_KIND 0: bf16, 1: fp16 pairs
+    in an int32; 2: fp32 pairs in an int64)."""
     if IN_KIND == 0:  # bf16: the fp32 bits are the bf16 bits followed by 16 zero bits
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
@@ -240,7 +306,7 @@ def _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
     else:  # fp32 pairs in an int64
         lo = w.to(tl.int32).to(tl.float32, bitcast=True)
         hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    return lo, hi, words
+    return lo, hi
 
 
 @triton.jit
@@ -261,6 +327,86 @@ def _e2m1_pairs(lo, hi, scale):
     return (_e2m1_code(lo * scale) | (_e2m1_code(hi * scale) << 4)).to(tl.uint8)
 
 
+def _e2m1_words_ptx(in_kind: int) -> str:
+    """PTX of ``_e2m1_words`` for bf16 (in_kind 0) or fp16 (1) words: operands $0 (out: 4
+    packed FP4 bytes), $1-$4 the words, $5-$8 the block's out_scale, $9-$12 / $13-$16 the
+    sign masks of the low / high elements (0x08080808 / 0x80808080, or 0 in a NaN block).
+
+    Per element: unpack, y = x * scale (mul.rn), the three candidates of
+    ``_e2m1_magnitude_bits`` (two fma.rn and one add.rn on |y|), their minimum capped at
+    2^23 + 7 (min.s32), and one mad.lo that adds those bits at the nibble's position; the
+    2^23 base of all eight is taken off by starting the sum at its negation (mod 2^32). The
+    signs are the words' own sign bits (bits 15 and 31): prmt replicates each into a byte
+    (selector nibble 8 + byte), two more prmt gather the low and high elements' signs by
+    pair, and the masks keep bit 3 / bit 7 of each byte. y = +-0 keeps x's sign; y is NaN
+    only when the block's scale is (IEEE recipe), where the mask drops the signs, as the
+    GPU's NaN product has none. Integer work is 2 min per element and 6 instructions per 8
+    elements; the rest runs on the FMA pipe."""
+    base = (-(0x4B000000 * 0x11111111)) % (1 << 32)
+    lines = ["{", ".reg .b32 lo, hi, y, f0, f1, f2, c, acc, sa, sb, s;", ".reg .b16 h0, h1;",
+             f"mov.b32 acc, {base};"]
+    for k in range(4):
+        word = f"${1 + k}"
+        if in_kind == 0:
+            lines += [f"shl.b32 lo, {word}, 16;", f"and.b32 hi, {word}, -65536;"]
+        else:
+            lines += [f"mov.b32 {{h0, h1}}, {word};", "cvt.f32.f16 lo, h0;", "cvt.f32.f16 hi, h1;"]
+        for element, shift in (("lo", 8 * k), ("hi", 8 * k + 4)):
+            lines += [f"mul.rn.f32 y, {element}, ${5 + k};", "abs.f32 y, y;",
+                      "fma.rn.f32 f0, y, 0f40000000, 0f4B000000;",
+                      "add.rn.f32 f1, y, 0f4B000002;",
+                      "fma.rn.f32 f2, y, 0f3F000000, 0f4B000004;",
+                      "min.s32 c, f0, f1;", "min.s32 c, c, f2;", "min.s32 c, c, 0x4B000007;",
+                      f"mad.lo.u32 acc, c, {1 << shift}, acc;"]
+    lines += ["prmt.b32 sa, $1, $2, 0xFBD9;", "prmt.b32 sb, $3, $4, 0xFBD9;",
+              "prmt.b32 s, sa, sb, 0x5410;", "and.b32 s, s, $9;", "or.b32 acc, acc, s;",
+              "prmt.b32 s, sa, sb, 0x7632;", "and.b32 s, s, $13;", "or.b32 $0, acc, s;", "}"]
+    return " ".join(lines)
+
+
+_E2M1_WORDS_PTX = tl.constexpr(_e2m1_words_ptx(0))
+_E2M1_WORDS_PTX_F16 = tl.constexpr(_e2m1_words_ptx(1))
+_E2M1_WORDS_CONSTRAINTS = tl.constexpr("=r," + ",".join(["r"] * 4 + ["f"] * 4 + ["r"] * 8))
+
+
+@triton.jit
+def _e2m1_words(w, scale, sign_lo, sign_hi, IN_KIND: tl.constexpr):
+    """[R, B, 4] int32 words of bf16/fp16 pairs times ``scale`` ([R, B, 4] fp32, one value
+    per block) -> [R, B, 4] packed FP4 bytes (uint8), by inline PTX (``_e2m1_words_ptx``) on
+    each thread's 4 consecutive words; GPU only. ``sign_lo``/``sign_hi``: [R, B, 4] int32
+    masks, 0x08080808 / 0x80808080 to keep the signs, 0 in blocks whose scale is NaN."""
+    return tl.inline_asm_elementwise(_E2M1_WORDS_PTX if IN_KIND == 0 else _E2M1_WORDS_PTX_F16,
+                                     _E2M1_WORDS_CONSTRAINTS, [w, scale, sign_lo, sign_hi],
+                                     dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _bf16x2_absmax(a, b):
+    """Per 16-bit half: max(|a|, |b|) of bf16 pairs, NaN propagating (sign bits: the xor of
+    the inputs', not meaningful)."""
+    return tl.inline_asm_elementwise("max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r",
+                                     [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2_absmax(a, b):
+    """``_bf16x2_absmax`` for fp16 pairs."""
+    return tl.inline_asm_elementwise("max.NaN.xorsign.abs.f16x2 $0, $1, $2;", "=r,r,r",
+                                     [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _words_amax(w0, w1, IN_KIND: tl.constexpr):
+    """Per-block amax (fp32 [R, B], NaN propagating) of the two [R, B, 4] halves of bf16/fp16
+    blocks, reduced on the packed pairs (one instruction per two elements; GPU only)."""
+    if IN_KIND == 0:
+        m = _bf16x2_absmax(tl.reduce(w0, 2, _bf16x2_absmax), tl.reduce(w1, 2, _bf16x2_absmax))
+    else:
+        m = _f16x2_absmax(tl.reduce(w0, 2, _f16x2_absmax), tl.reduce(w1, 2, _f16x2_absmax))
+    lo, hi = _unpack_words(m, IN_KIND)
+    return _max_nan(tl.abs(lo), tl.abs(hi))
+
+
 # =============================================================================================
 # Kernels
 # =============================================================================================
@@ -271,18 +417,52 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                            padded_rows, padded_blocks,
                            HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
                            LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
-                           BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+                           WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                           BLOCKS: tl.constexpr, STEPS: tl.constexpr):
+    """A program quantizes rows [row_start, +BLOCK_ROWS) over STEPS consecutive tiles of
+    BLOCKS scale blocks (unrolled), loading the next tile's words before working on the
+    current one, so a thread has a load in flight while it computes."""
     row_start = tl.program_id(0) * BLOCK_ROWS
-    block_start = tl.program_id(1) * BLOCKS
+    block_start = tl.program_id(1) * (BLOCKS * STEPS)
+    num_blocks = hidden // 16
     src, row_ok = _source_rows(rows_ptr, row_start, num_rows, num_src_rows, HAS_ROWS,
                                BLOCK_ROWS)
-    # A block of 16 elements is 8 words, read as two halves of 4.
-    lo0, hi0, words0 = _load_pairs(words_ptr, src, row_ok, block_start, hidden // 16,
-                                   stride_row, 0, IN_KIND, BLOCKS, 8, 4)
-    lo1, hi1, words1 = _load_pairs(words_ptr, src, row_ok, block_start, hidden // 16,
-                                   stride_row, 4, IN_KIND, BLOCKS, 8, 4)
-    amax = _max_nan(_pair_amax(lo0, hi0), _pair_amax(lo1, hi1))  # [BLOCK_ROWS, BLOCKS]
+    in_ptrs = words_ptr + src * stride_row
+    rows = row_start + tl.arange(0, BLOCK_ROWS)
+    out_ptrs = out_ptr + rows.to(tl.int64) * (hidden // 2)
+    scale_ptrs = scales_ptr + _scale_row_offsets(rows, padded_blocks, LAYOUT)
     global_scale = tl.load(global_scale_ptr)
+    # A block of 16 elements is 8 words, read as two halves of 4.
+    w0, words0 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 8, 4)
+    w1, words1 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 4, BLOCKS, 8, 4)
+    for step in tl.static_range(STEPS):  # unrolled: no loop-carried register moves
+        if step + 1 < STEPS:
+            next0, next_words0 = _load_words(in_ptrs, row_ok, block_start + BLOCKS, num_blocks,
+                                             0, BLOCKS, 8, 4)
+            next1, next_words1 = _load_words(in_ptrs, row_ok, block_start + BLOCKS, num_blocks,
+                                             4, BLOCKS, 8, 4)
+        _nvfp4_tile(w0, w1, words0, words1, global_scale, out_ptrs, scale_ptrs, rows,
+                    block_start, num_rows, num_blocks, padded_rows, padded_blocks, IN_KIND,
+                    LAYOUT, FAST_MATH, WORD_ASM, BLOCK_ROWS, BLOCKS)
+        if step + 1 < STEPS:
+            w0, w1, words0, words1 = next0, next1, next_words0, next_words1
+            block_start += BLOCKS
+
+
+@triton.jit
+def _nvfp4_tile(w0, w1, words0, words1, global_scale, out_ptrs, scale_ptrs, rows,
+                block_start, num_rows, num_blocks, padded_rows, padded_blocks,
+                IN_KIND: tl.constexpr, LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
+                WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+    """One tile: the words (``_load_words``, halves 0 and 1 of each block) -> packed codes
+    at ``out_ptrs`` (the rows' starts) and block scales at ``scale_ptrs`` (the rows' parts of
+    the scale offsets in LAYOUT)."""
+    if WORD_ASM:  # bf16/fp16, IEEE recipe, on a GPU: the word-level inline PTX
+        amax = _words_amax(w0, w1, IN_KIND)  # [BLOCK_ROWS, BLOCKS]
+    else:
+        lo0, hi0 = _unpack_words(w0, IN_KIND)
+        lo1, hi1 = _unpack_words(w1, IN_KIND)
+        amax = _max_nan(_pair_amax(lo0, hi0), _pair_amax(lo1, hi1))
     if FAST_MATH:  # FlashInfer's default: sf = e4m3(gs * (a * rcp(6))), 1 / x = rcp(x)
         # rcp.approx(6) == f32(1/6) (test_gpu_rcp_approx_constants_equal_ieee), so the
         # constant stands in for it; only the association differs from the IEEE recipe.
@@ -291,8 +471,7 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
         sf_value = amax * (global_scale * _INV6)
     # The scale is rounded in software: Triton 3.6's hardware fp32 -> e4m3 cast on this
     # block-reduced (sliced-layout) tensor gave wrong codes for fp32 input on H200.
-    sf = _e4m3_code(sf_value)
-    sf_float = _e4m3_value(sf)
+    sf, sf_float = _e4m3_round(sf_value)
     if FAST_MATH:
         # rcp.approx through inline PTX on an element-shaped tensor: on the block-shaped
         # (sliced-layout) tensor the same asm gave run-to-run different results on H200.
@@ -308,26 +487,47 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                                _FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
         out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
     # Byte i of a packed row holds elements 2i (low nibble) and 2i + 1: word i of x.
-    rows = row_start + tl.arange(0, BLOCK_ROWS)
-    out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2)
-    in_rows = (rows < num_rows)[:, None, None]
-    tl.store(out_rows + words0, _e2m1_pairs(lo0, hi0, out_scale),
-             mask=in_rows & (words0 < hidden // 2))
-    tl.store(out_rows + words1, _e2m1_pairs(lo1, hi1, out_scale),
-             mask=in_rows & (words1 < hidden // 2))
+    if WORD_ASM:
+        shape: tl.constexpr = (BLOCK_ROWS, BLOCKS, 4)
+        signed = (out_scale == out_scale)  # the product by a NaN scale has no sign
+        sign_lo = tl.broadcast_to(tl.where(signed, 0x08080808, 0), shape)
+        sign_hi = tl.broadcast_to(tl.where(signed, -2139062144, 0), shape)  # 0x80808080
+        scale = tl.broadcast_to(out_scale, shape)
+        pairs0 = _e2m1_words(w0, scale, sign_lo, sign_hi, IN_KIND)
+        pairs1 = _e2m1_words(w1, scale, sign_lo, sign_hi, IN_KIND)
+    else:
+        pairs0 = _e2m1_pairs(lo0, hi0, out_scale)
+        pairs1 = _e2m1_pairs(lo1, hi1, out_scale)
+    blocks = block_start + tl.arange(0, BLOCKS)
+    in_tile = (rows < num_rows)[:, None, None] & (blocks < num_blocks)[None, :, None]
+    tl.store(out_ptrs[:, None, None] + words0, pairs0, mask=in_tile)
+    tl.store(out_ptrs[:, None, None] + words1, pairs1, mask=in_tile)
     # Scales: rows up to the padded row count, blocks up to the padded block count; the
     # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
-    blocks = block_start + tl.arange(0, BLOCKS)
     sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
-    tl.store(scales_ptr + _scale_offsets(rows, blocks, padded_blocks, LAYOUT), sf.to(tl.uint8),
-             mask=sf_mask)
+    _store_bytes(scale_ptrs[:, None] + _scale_block_offsets(blocks, LAYOUT)[None, :], sf,
+                 sf_mask, WORD_ASM)
+
+
+@triton.jit
+def _store_bytes(ptrs, values, mask, ASM: tl.constexpr):
+    """Store the low bytes of int32 ``values`` at ``ptrs`` where ``mask``. ASM (GPU): by inline
+    st.global.b8 in the tensors' own layout; a tl.store of this block-shaped (sliced-layout)
+    tensor first moves it through shared memory into a store layout, two barriers each."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b8 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [ptrs.to(tl.int64), values, mask.to(tl.int32)], dtype=tl.int32,
+            is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values.to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def _e4m3_pairs(lo, hi, HARDWARE: tl.constexpr):
-    """[.., W] fp32 pairs (already clamped to +-448, no NaN) -> uint16 of their e4m3 bytes,
+    """[.., W] fp32 pairs (no NaN) -> uint16 of their e4m3 bytes (RNE, saturating at +-448),
     element 2i in the low byte. HARDWARE: one cvt.rn.satfinite.e4m3x2.f32 per pair (SM89+),
-    the same RNE as the software path."""
+    the same rounding as the software path."""
     if HARDWARE:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $2, $1; cvt.u32.u16 $0, pair; }",
@@ -338,20 +538,25 @@ def _e4m3_pairs(lo, hi, HARDWARE: tl.constexpr):
 @triton.jit
 def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_row,
                         IN_KIND: tl.constexpr, FP4: tl.constexpr,
-                        HARDWARE_E4M3: tl.constexpr,
+                        HARDWARE_E4M3: tl.constexpr, WORD_ASM: tl.constexpr,
                         BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
     """FP4: out is [M, H/2] uint8 (byte i = elements 2i, 2i + 1); else out is [M, H/2] uint16
-    (the e4m3 bytes of elements 2i, 2i + 1, little-endian)."""
+    (the e4m3 bytes of elements 2i, 2i + 1, little-endian). WORD_ASM: bf16/fp16 on a GPU,
+    the block amax reduced on the packed pairs (``_words_amax``)."""
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * BLOCKS
     num_blocks = hidden // 32
     src, row_ok = _source_rows(words_ptr, row_start, num_rows, num_rows, False, BLOCK_ROWS)
     # A block of 32 elements is 16 words, read as two halves of 8.
-    lo0, hi0, words0 = _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
-                                   0, IN_KIND, BLOCKS, 16, 8)
-    lo1, hi1, words1 = _load_pairs(words_ptr, src, row_ok, block_start, num_blocks, stride_row,
-                                   8, IN_KIND, BLOCKS, 16, 8)
-    amax = _max_nan(_pair_amax(lo0, hi0), _pair_amax(lo1, hi1))
+    in_ptrs = words_ptr + src * stride_row
+    w0, words0 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 16, 8)
+    w1, words1 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 8, BLOCKS, 16, 8)
+    lo0, hi0 = _unpack_words(w0, IN_KIND)
+    lo1, hi1 = _unpack_words(w1, IN_KIND)
+    if WORD_ASM:
+        amax = _words_amax(w0, w1, IN_KIND)
+    else:
+        amax = _max_nan(_pair_amax(lo0, hi0), _pair_amax(lo1, hi1))
     if FP4:  # e8m0(a * f32(1/6)); scale 0 for a zero block, 1 for code 0
         sf = _e8m0_code(amax * _INV6)
         out_scale = tl.where(sf == 0, 1.0, _e8m0_inverse(sf))
@@ -361,10 +566,13 @@ def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride
     else:  # e8m0(a * f32(1/448)); code 0 scales by 0; clamp to +-448, NaN -> +448
         sf = _e8m0_code(amax * _INV448)
         out_scale = tl.where(sf == 0, 0.0, _e8m0_inverse(sf))[:, :, None]
-        pairs0 = _e4m3_pairs(_clamp_e4m3(lo0 * out_scale), _clamp_e4m3(hi0 * out_scale),
-                             HARDWARE_E4M3)
-        pairs1 = _e4m3_pairs(_clamp_e4m3(lo1 * out_scale), _clamp_e4m3(hi1 * out_scale),
-                             HARDWARE_E4M3)
+        y0, y1, y2, y3 = lo0 * out_scale, hi0 * out_scale, lo1 * out_scale, hi1 * out_scale
+        # The e4m3 conversions saturate (+-inf and beyond +-448 give +-448), so of FlashInfer's
+        # clamp only NaN -> +448 is left (a NaN or inf element of a NaN block, scaled by 0).
+        y0, y1 = _nan_to_e4m3_max(y0, HARDWARE_E4M3), _nan_to_e4m3_max(y1, HARDWARE_E4M3)
+        y2, y3 = _nan_to_e4m3_max(y2, HARDWARE_E4M3), _nan_to_e4m3_max(y3, HARDWARE_E4M3)
+        pairs0 = _e4m3_pairs(y0, y1, HARDWARE_E4M3)
+        pairs1 = _e4m3_pairs(y2, y3, HARDWARE_E4M3)
     rows = row_start + tl.arange(0, BLOCK_ROWS)
     out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2)
     tl.store(out_rows + words0, pairs0, mask=row_ok[:, None, None] & (words0 < hidden // 2))
@@ -375,9 +583,13 @@ def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride
 
 
 @triton.jit
-def _clamp_e4m3(y):
-    """Clamp to +-448, NaN -> +448 (FlashInfer's fminf/fmaxf order)."""
-    return tl.where(y != y, _E4M3_MAX, tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX))
+def _nan_to_e4m3_max(y, GPU: tl.constexpr):
+    """NaN -> +448, other values unchanged up to 448 (FlashInfer's fminf(y, 448)). GPU: that
+    minimum itself, one instruction (min.f32 returns the number when one input is NaN);
+    Triton's interpreter propagates NaN through minimum, so there: a select."""
+    if GPU:
+        return tl.minimum(y, _E4M3_MAX)
+    return tl.where(y != y, _E4M3_MAX, y)
 
 
 @triton.jit
@@ -488,6 +700,14 @@ def _hardware_e4m3(device: torch.device) -> bool:
     return _HARDWARE_E4M3 and device.type == "cuda" and not _interpreting()
 
 
+def _word_asm(device: torch.device, in_kind: int, fast_math: bool) -> bool:
+    """Whether the NVFP4 kernel takes the word-level PTX path: bf16/fp16 input (IN_KIND 0/1),
+    the IEEE recipe (fast math's inf scales make NaN products inside a block, whose signs that
+    path cannot drop per element), on a GPU."""
+    return (_WORD_ASM and in_kind in (0, 1) and not fast_math and device.type == "cuda"
+            and not _interpreting())
+
+
 def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
           nvfp4: bool = False) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCKS, num_warps) of the launch rule for ``num_rows`` rows of
@@ -502,8 +722,19 @@ def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
     while (block_rows > 1 and triton.cdiv(num_rows, block_rows) * triton.cdiv(num_blocks, blocks)
            < 2 * _num_sms(device)):
         block_rows //= 2
-    warps = max(1, min(num_warps, block_rows * blocks * block // ELEMENTS_PER_WARP))
+    # smaller tiles (small M) get fewer warps: one scale block per thread at most
+    warps = max(1, min(num_warps, block_rows * blocks // 32))
     return block_rows, blocks, warps
+
+
+def _steps(row_tiles: int, col_tiles: int, device: torch.device) -> int:
+    """Tiles per NVFP4 program along its rows: up to NVFP4_STEPS, fewer while the grid would
+    have less than 2 programs per SM, then evened out (7 tiles in 2 programs: 4 + 3, not
+    5 + 2)."""
+    steps = max(1, min(NVFP4_STEPS, col_tiles))
+    while steps > 1 and row_tiles * triton.cdiv(col_tiles, steps) < 2 * _num_sms(device):
+        steps -= 1
+    return triton.cdiv(col_tiles, triton.cdiv(col_tiles, steps)) if col_tiles else 1
 
 
 def _check_out(name: str, out: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype,
@@ -602,7 +833,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
                             x.device)
     block_rows, blocks, warps = _tile(padded_rows, padded_blocks, NVFP4_BLOCK, x.device,
                                       nvfp4=True)
-    grid = (triton.cdiv(padded_rows, block_rows), triton.cdiv(padded_blocks, blocks))
+    row_tiles, col_tiles = triton.cdiv(padded_rows, block_rows), triton.cdiv(padded_blocks,
+                                                                             blocks)
+    steps = _steps(row_tiles, col_tiles, x.device)
+    grid = (row_tiles, triton.cdiv(col_tiles, steps))
     if grid[0] * grid[1] == 0:
         return out, out_scales
     words, stride_row, in_kind = _as_pairs(x)
@@ -610,8 +844,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         words, rows if rows is not None else words, global_scale, out, out_scales,
         num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
         HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
-        FAST_MATH=fast_math, BLOCK_ROWS=block_rows, BLOCKS=blocks,
-        num_warps=warps, enable_fp_fusion=False)
+        FAST_MATH=fast_math, WORD_ASM=_word_asm(x.device, in_kind, fast_math),
+        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, num_warps=warps,
+        enable_fp_fusion=False)
     return out, out_scales
 
 
@@ -630,6 +865,7 @@ def _quantize_mx(x: torch.Tensor, fp4: bool) -> tuple[torch.Tensor, torch.Tensor
         _mx_quantize_kernel[grid](words, pairs, scales, num_rows, hidden, stride_row,
                                   IN_KIND=in_kind, FP4=fp4,
                                   HARDWARE_E4M3=_hardware_e4m3(x.device),
+                                  WORD_ASM=_word_asm(x.device, in_kind, fast_math=False),
                                   BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=warps,
                                   enable_fp_fusion=False)
     return pairs.view(torch.uint8), scales

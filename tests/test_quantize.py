@@ -225,6 +225,24 @@ def test_gpu_software_e4m3_path(seed, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_portable_nvfp4_path(seed, monkeypatch, dtype):
+    """NVFP4 of bf16/fp16 takes the word-level PTX path on a GPU; the portable path (the one
+    the interpreter runs) must agree there too, NaN blocks included."""
+    x = _hard_input(300, 7168, dtype, "cuda")
+    x[7, 100], x[9, 5] = float("nan"), -float("inf")
+    gs = torch.full((1,), 3.0, device="cuda")
+    assert Q._word_asm(x.device, Q._PAIR_VIEWS[dtype][0], fast_math=False)
+    word = [Q.quantize_nvfp4(x, gs, layout=layout) for layout in R.SCALE_LAYOUTS]
+    monkeypatch.setattr(Q, "_WORD_ASM", False)
+    assert not Q._word_asm(x.device, Q._PAIR_VIEWS[dtype][0], fast_math=False)
+    for layout, ours in zip(R.SCALE_LAYOUTS, word):
+        theirs = R.quantize_nvfp4(x, gs, layout=layout)
+        _assert_same(ours, theirs)
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout), theirs)
+
+
+@pytest.mark.gpu
 def test_gpu_deterministic(seed):
     x = _hard_input(4096, 7168, torch.bfloat16, "cuda")
     first = (Q.nvfp4_global_scale(x),) + Q.quantize_nvfp4(x, Q.nvfp4_global_scale(x),
@@ -346,9 +364,33 @@ def test_dequantize_keeps_negative_zero(device):
     assert bool(torch.signbit(out[0, 1::2]).all()) and not bool(torch.signbit(out[0, ::2]).any())
 
 
+@pytest.mark.parametrize("max_blocks,steps", [(1, 2), (2, 3), (1, 8)])
+def test_nvfp4_programs_walk_several_tiles(device, seed, monkeypatch, max_blocks, steps):
+    """A program quantizes several column tiles in turn (prefetching the next); an uneven
+    split leaves masked steps past the last block. Tiny tiles make that happen here."""
+    monkeypatch.setattr(Q, "NVFP4_MAX_BLOCKS", max_blocks)
+    monkeypatch.setattr(Q, "NVFP4_STEPS", steps)
+    x = _hard_input(37, 112, torch.bfloat16, device)  # 7 blocks per row
+    gs = R.nvfp4_global_scale(x)
+    rows = torch.tensor([36, 0, 5, 5], dtype=torch.int32, device=device)
+    for layout in R.SCALE_LAYOUTS:
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout), R.quantize_nvfp4(x, gs, layout=layout))
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout, rows=rows),
+                     R.quantize_nvfp4(x[rows.long()], gs, layout=layout))
+
+
+def test_steps_rule():
+    """Tiles per program: NVFP4_STEPS at most, fewer while the grid is under 2 programs per
+    SM (4 stand-in SMs on CPU), spread evenly."""
+    cpu = torch.device("cpu")
+    assert Q._steps(2048, 7, cpu) == min(Q.NVFP4_STEPS, 7)
+    assert Q._steps(2, 7, cpu) == 2  # 2 rows of programs: 4 column programs of 2, 2, 2, 1
+    assert Q._steps(100, 1, cpu) == 1 and Q._steps(1, 0, cpu) == 1
+
+
 def test_launch_rule_shrinks_tiles_for_small_m():
-    """Large M: the configured NVFP4 tile (8192 elements, 64 blocks, 8 warps). Small M: fewer
-    rows per program until the grid has 2 programs per SM, with warps shrunk alike."""
+    """Large M: the configured NVFP4 tile. Small M: fewer rows per program until the grid has
+    2 programs per SM, with warps shrunk alike (a thread per scale block at most)."""
     cpu = torch.device("cpu")  # _num_sms stands in 4 SMs here: at least 8 programs
     rows, blocks, warps = Q._tile(8192, 448, 16, cpu, nvfp4=True)
     assert (rows * blocks * 16, blocks, warps) == (Q.NVFP4_TILE_ELEMENTS, Q.NVFP4_MAX_BLOCKS,
@@ -356,6 +398,6 @@ def test_launch_rule_shrinks_tiles_for_small_m():
     rows, blocks, warps = Q._tile(2, 8, 16, cpu, nvfp4=True)  # 2 rows of 8 blocks
     assert (rows, blocks, warps) == (1, 8, 1)
     rows, blocks, warps = Q._tile(16, 448, 16, cpu, nvfp4=True)
-    assert 16 // rows * -(-448 // blocks) >= 8 and warps == max(1, rows * blocks * 16 // 1024)
+    assert 16 // rows * -(-448 // blocks) >= 8 and warps == max(1, rows * blocks // 32)
     rows, blocks, warps = Q._tile(8192, 224, 32, cpu)  # MX: the plain constants
     assert (rows * blocks * 32, warps) == (Q.TILE_ELEMENTS, Q.NUM_WARPS)
