@@ -71,11 +71,14 @@ def _quantize_cases(device) -> list[Case]:
     generator = torch.Generator(device="cpu").manual_seed(SEED)
     tiles = [dict()] + _grid(TILE_ELEMENTS=[2048, 4096, 8192, 16384], NUM_WARPS=[4, 8],
                              MAX_BLOCKS_PER_PROGRAM=[32, 64])
-    # NVFP4: a thread holds one block per tile (TILE_ELEMENTS = 16 * 32 * NUM_WARPS) or two
-    nvfp4_tiles = [dict()] + [dict(NVFP4_TILE_ELEMENTS=tile, NVFP4_NUM_WARPS=warps,
-                                   NVFP4_MAX_BLOCKS=64, NVFP4_STEPS=steps)
-                              for tile, warps in ((4096, 8), (2048, 4), (8192, 8))
-                              for steps in (1, 2, 4, 8)]
+    # NVFP4: a thread holds one block per tile (TILE_ELEMENTS = 16 * 32 * NUM_WARPS)
+    nvfp4 = dict(NVFP4_MAX_BLOCKS=64, NVFP4_STEPS=8)
+    nvfp4_tiles = [dict()] + [
+        dict(nvfp4, NVFP4_TILE_ELEMENTS=tile, NVFP4_NUM_WARPS=warps, NVFP4_PREFETCH=prefetch,
+             NVFP4_MAXNREG=maxnreg)
+        for tile, warps, prefetch, maxnreg in (
+            (2048, 4, 2, None), (2048, 4, 2, 48), (2048, 4, 1, None), (4096, 8, 2, None),
+            (4096, 8, 2, 48), (4096, 8, 1, None))]
     # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
     amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
                             AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])

@@ -5,13 +5,16 @@ its header for the recipes and what FlashInfer does). All rounding is done in so
 shared helpers below (``_e2m1_code``, ``_e4m3_code``, ``_e8m0_code``), so the kernels run on
 Hopper (SM90) and Blackwell alike, and on CPU under ``TRITON_INTERPRET=1``:
 
-- e2m1 (round to nearest even, satfinite): adding a power-of-two "magic" number whose ulp is the
-  e2m1 step of the value's range (0.5 below 2, 1 below 4, 2 above) rounds in the fp32 adder;
-  the low bits of the sum are then the code. Kernels are launched with
-  ``enable_fp_fusion=False`` so that ``x * scale`` is rounded before that add (an FMA would
+- e2m1 (round to nearest even, satfinite): ``_e2m1_magnitude_bits``. Each of the three e2m1
+  ranges (steps 0.5, 1, 2) gets its candidate code rounded by one fp32 operation into
+  [2^23, 2^24), where the ulp is 1; the code is the smallest candidate, capped at 7. Three
+  FMA-pipe operations and two integer minima per element (the Hopper integer pipe is half as
+  wide as the FP32 one and was the NVFP4 kernel's bottleneck). Kernels are launched with
+  ``enable_fp_fusion=False`` so that ``x * scale`` is rounded before those adds (an FMA would
   round once and break the tie rules).
 - e4m3 (RNE, satfinite): integer rounding of the fp32 bits to 3 mantissa bits, the magic add
-  for the subnormal range. For MXFP8 elements on a GPU ``_HARDWARE_E4M3`` uses
+  for the subnormal range (``_e4m3_code``; ``_e4m3_round`` also returns the value, for the
+  NVFP4 block scale). For MXFP8 elements on a GPU ``_HARDWARE_E4M3`` uses
   ``cvt.rn.satfinite.e4m3x2.f32`` (SM89+, the same RNE-satfinite) through inline PTX, one
   instruction per element pair. Not Triton's fp32 -> fp8e4nv cast: on H200 (Triton 3.6) it
   gave wrong codes on the block-reduced scale tensor (whole rows of scales 0x00,
@@ -21,13 +24,18 @@ Hopper (SM90) and Blackwell alike, and on CPU under ``TRITON_INTERPRET=1``:
 
 x is read as words of two elements (int32 for bf16/fp16, int64 for fp32; ``_as_pairs``): a
 word's two elements become two fp32 values by bit operations, and their two codes one packed
-byte (FP4) or one uint16 (MXFP8) at the word's index, so no tensor is split or reshaped.
+byte (FP4) or one uint16 (MXFP8) at the word's index, so no tensor is split or reshaped. On a
+GPU, NVFP4 of bf16/fp16 (IEEE recipe) goes further (``_WORD_ASM``): the block amax is taken on
+the packed pairs (``max.NaN.xorsign.abs.bf16x2``), and inline PTX turns 4 words into 4 packed
+bytes, signs included (``_e2m1_words``); the portable path computes the same in Triton.
 
 Launch rule (fixed, no autotune; ``python -m bench.tune`` times the alternatives): a program
 quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks, about NVFP4_TILE_ELEMENTS
-(NVFP4) or TILE_ELEMENTS (MX, dequantize) elements with up to NVFP4_NUM_WARPS / NUM_WARPS warps,
-smaller for small M (``_tile``); the grid covers rows x blocks, padded to the swizzled tile so
-that the same programs write the zero padding of the scales.
+(NVFP4) or TILE_ELEMENTS (MX, dequantize) elements with up to NVFP4_NUM_WARPS / NUM_WARPS warps
+(one scale block per thread at most), smaller for small M (``_tile``); an NVFP4 program then
+walks up to NVFP4_STEPS tiles along its rows, loading NVFP4_PREFETCH tiles ahead (``_steps``).
+The grid covers rows x blocks, padded to the swizzled tile so that the same programs write
+the zero padding of the scales.
 """
 
 from __future__ import annotations
@@ -49,13 +57,18 @@ from kernels.validate import check_tensor
 INV_E2M1_MAX = float(torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32))
 INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
 LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # constexpr LAYOUT
-# Launch rules, from ``python -m bench.tune`` on an H200 (2026-11-30; [8192, 7168] bf16, graph
-# replay after an L2 flush): NVFP4 8192 elements x up to 64 blocks per program, 8 warps:
-# 53.9 us (4096 / 32 / 4 warps: 59.0); MXFP8 (and the dequantizers) 4096 / 32 / 4: 44.6 us.
-NVFP4_TILE_ELEMENTS = 4096
+# Launch rules, from ``python -m bench.tune`` on an H200 ([8192, 7168] bf16, graph replay after
+# an L2 flush; runs in bench/results/tune-nvidia-h200-*). NVFP4 (2026-12-01): 2048-element
+# tiles (2 rows x 64 blocks) on 4 warps, one block per thread, 8 tiles per program, loading 2
+# ahead: 40.5-40.7 us linear (1 ahead: 41.2-41.3; 4096 elements on 8 warps, 2 ahead: 40.6-42.3;
+# 2 blocks per thread: 49-60; a persistent grid, a register cap of 40, L2 prefetches or
+# evict-first loads: slower). MXFP8 (and the dequantizers) 4096 / 32 / 4: 46.7-47.5 us.
+NVFP4_TILE_ELEMENTS = 2048
 NVFP4_MAX_BLOCKS = 64  # 64 NVFP4 blocks = 1024 columns = 2 KiB of bf16 per row
-NVFP4_NUM_WARPS = 8
-NVFP4_STEPS = 8  # tiles per program along its rows (unrolled, each prefetching the next)
+NVFP4_NUM_WARPS = 4
+NVFP4_STEPS = 8  # tiles per program along its rows (unrolled)
+NVFP4_PREFETCH = 2  # a program loads the tile this many steps ahead (1 or 2)
+NVFP4_MAXNREG = None  # a register cap for the NVFP4 kernel (more warps per SM), or None
 TILE_ELEMENTS = 4096
 MAX_BLOCKS_PER_PROGRAM = 32
 NUM_WARPS = 4
@@ -418,10 +431,11 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                            HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
                            LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                            WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                           BLOCKS: tl.constexpr, STEPS: tl.constexpr):
+                           BLOCKS: tl.constexpr, STEPS: tl.constexpr,
+                           PREFETCH: tl.constexpr):
     """A program quantizes rows [row_start, +BLOCK_ROWS) over STEPS consecutive tiles of
-    BLOCKS scale blocks (unrolled), loading the next tile's words before working on the
-    current one, so a thread has a load in flight while it computes."""
+    BLOCKS scale blocks (unrolled), loading the tile PREFETCH (1 or 2) steps ahead before
+    working on the current one, so a thread has loads in flight while it computes."""
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
     num_blocks = hidden // 16
@@ -432,21 +446,33 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
     out_ptrs = out_ptr + rows.to(tl.int64) * (hidden // 2)
     scale_ptrs = scales_ptr + _scale_row_offsets(rows, padded_blocks, LAYOUT)
     global_scale = tl.load(global_scale_ptr)
-    # A block of 16 elements is 8 words, read as two halves of 4.
+    # A block of 16 elements is 8 words, read as two halves of 4 (``_load_halves``).
+    cur = _load_halves(in_ptrs, row_ok, block_start, num_blocks, BLOCKS)
+    if PREFETCH > 1 and STEPS > 1:
+        ahead = _load_halves(in_ptrs, row_ok, block_start + BLOCKS, num_blocks, BLOCKS)
+    for step in tl.static_range(STEPS):  # unrolled: no loop-carried register moves
+        if step + PREFETCH < STEPS:  # the tile PREFETCH steps ahead, in flight meanwhile
+            new = _load_halves(in_ptrs, row_ok, block_start + (step + PREFETCH) * BLOCKS,
+                               num_blocks, BLOCKS)
+        _nvfp4_tile(cur[0], cur[1], cur[2], cur[3], global_scale, out_ptrs, scale_ptrs, rows,
+                    block_start + step * BLOCKS, num_rows, num_blocks, padded_rows,
+                    padded_blocks, IN_KIND, LAYOUT, FAST_MATH, WORD_ASM, BLOCK_ROWS, BLOCKS)
+        if step + 1 < STEPS:
+            if PREFETCH > 1:
+                cur = ahead
+                if step + PREFETCH < STEPS:
+                    ahead = new
+            else:
+                cur = new
+
+
+@triton.jit
+def _load_halves(in_ptrs, row_ok, block_start, num_blocks, BLOCKS: tl.constexpr):
+    """(words of half 0, words of half 1, their offsets) of NVFP4 blocks [block_start,
+    +BLOCKS) (``_load_words``)."""
     w0, words0 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 8, 4)
     w1, words1 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 4, BLOCKS, 8, 4)
-    for step in tl.static_range(STEPS):  # unrolled: no loop-carried register moves
-        if step + 1 < STEPS:
-            next0, next_words0 = _load_words(in_ptrs, row_ok, block_start + BLOCKS, num_blocks,
-                                             0, BLOCKS, 8, 4)
-            next1, next_words1 = _load_words(in_ptrs, row_ok, block_start + BLOCKS, num_blocks,
-                                             4, BLOCKS, 8, 4)
-        _nvfp4_tile(w0, w1, words0, words1, global_scale, out_ptrs, scale_ptrs, rows,
-                    block_start, num_rows, num_blocks, padded_rows, padded_blocks, IN_KIND,
-                    LAYOUT, FAST_MATH, WORD_ASM, BLOCK_ROWS, BLOCKS)
-        if step + 1 < STEPS:
-            w0, w1, words0, words1 = next0, next1, next_words0, next_words1
-            block_start += BLOCKS
+    return w0, w1, words0, words1
 
 
 @triton.jit
@@ -500,8 +526,11 @@ def _nvfp4_tile(w0, w1, words0, words1, global_scale, out_ptrs, scale_ptrs, rows
         pairs1 = _e2m1_pairs(lo1, hi1, out_scale)
     blocks = block_start + tl.arange(0, BLOCKS)
     in_tile = (rows < num_rows)[:, None, None] & (blocks < num_blocks)[None, :, None]
-    tl.store(out_ptrs[:, None, None] + words0, pairs0, mask=in_tile)
-    tl.store(out_ptrs[:, None, None] + words1, pairs1, mask=in_tile)
+    # the block's 8 packed bytes as one 8-byte store: [R, B, 4] x 2 -> [R, B, 8] in registers
+    packed = tl.reshape(tl.permute(tl.join(pairs0, pairs1), (0, 1, 3, 2)),
+                        (BLOCK_ROWS, BLOCKS, 8))
+    tl.store(out_ptrs[:, None, None] + (blocks * 8)[None, :, None]
+             + tl.arange(0, 8)[None, None, :], packed, mask=in_tile)
     # Scales: rows up to the padded row count, blocks up to the padded block count; the
     # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
     sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
@@ -727,6 +756,11 @@ def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
     return block_rows, blocks, warps
 
 
+def _register_cap(maxnreg: Optional[int]) -> dict:
+    """Launch options capping the registers per thread (ignored by the interpreter)."""
+    return {} if maxnreg is None or _interpreting() else {"maxnreg": maxnreg}
+
+
 def _steps(row_tiles: int, col_tiles: int, device: torch.device) -> int:
     """Tiles per NVFP4 program along its rows: up to NVFP4_STEPS, fewer while the grid would
     have less than 2 programs per SM, then evened out (7 tiles in 2 programs: 4 + 3, not
@@ -845,7 +879,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
         HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
         FAST_MATH=fast_math, WORD_ASM=_word_asm(x.device, in_kind, fast_math),
-        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, num_warps=warps,
+        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps,
+        PREFETCH=min(NVFP4_PREFETCH, steps), num_warps=warps, **_register_cap(NVFP4_MAXNREG),
         enable_fp_fusion=False)
     return out, out_scales
 

@@ -364,17 +364,21 @@ def test_dequantize_keeps_negative_zero(device):
     assert bool(torch.signbit(out[0, 1::2]).all()) and not bool(torch.signbit(out[0, ::2]).any())
 
 
-@pytest.mark.parametrize("max_blocks,steps", [(1, 2), (2, 3), (1, 8)])
-def test_nvfp4_programs_walk_several_tiles(device, seed, monkeypatch, max_blocks, steps):
-    """A program quantizes several column tiles in turn (prefetching the next); an uneven
-    split leaves masked steps past the last block. Tiny tiles make that happen here."""
-    monkeypatch.setattr(Q, "NVFP4_MAX_BLOCKS", max_blocks)
-    monkeypatch.setattr(Q, "NVFP4_STEPS", steps)
+@pytest.mark.parametrize("max_blocks,steps,prefetch",
+                         [(1, 2, 1), (2, 3, 2), (1, 8, 2), (1, 1, 2), (2, 3, 1)])
+def test_nvfp4_programs_walk_several_tiles(device, seed, monkeypatch, max_blocks, steps,
+                                           prefetch):
+    """A program quantizes several column tiles in turn, loading 1 or 2 tiles ahead; an
+    uneven split leaves masked steps past the last block. Tiny tiles make that happen here."""
+    for name, value in (("NVFP4_MAX_BLOCKS", max_blocks), ("NVFP4_STEPS", steps),
+                        ("NVFP4_PREFETCH", prefetch)):
+        monkeypatch.setattr(Q, name, value)
     x = _hard_input(37, 112, torch.bfloat16, device)  # 7 blocks per row
     gs = R.nvfp4_global_scale(x)
-    rows = torch.tensor([36, 0, 5, 5], dtype=torch.int32, device=device)
+    rows = torch.tensor([36, 0, 5, 5, 17, 30, 2, 9, 11], dtype=torch.int32, device=device)
     for layout in R.SCALE_LAYOUTS:
-        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout), R.quantize_nvfp4(x, gs, layout=layout))
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+                     R.quantize_nvfp4(x, gs, layout=layout))
         _assert_same(Q.quantize_nvfp4(x, gs, layout=layout, rows=rows),
                      R.quantize_nvfp4(x[rows.long()], gs, layout=layout))
 
