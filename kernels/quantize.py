@@ -343,7 +343,8 @@ def _e2m1_pairs(lo, hi, scale):
 def _e2m1_words_ptx(in_kind: int) -> str:
     """PTX of ``_e2m1_words`` for bf16 (in_kind 0) or fp16 (1) words: operands $0 (out: 4
     packed FP4 bytes), $1-$4 the words, $5-$8 the block's out_scale, $9-$12 / $13-$16 the
-    sign masks of the low / high elements (0x08080808 / 0x80808080, or 0 in a NaN block).
+    sign masks of the low / high elements (0x08080808 / 0x80808080, or 0 in a NaN block;
+    $9 and $13 stand for all 4 words, which are one block's: see ``_word_asm``).
 
     Per element: unpack, y = x * scale (mul.rn), the three candidates of
     ``_e2m1_magnitude_bits`` (two fma.rn and one add.rn on |y|), their minimum capped at
@@ -353,8 +354,9 @@ def _e2m1_words_ptx(in_kind: int) -> str:
     (selector nibble 8 + byte), two more prmt gather the low and high elements' signs by
     pair, and the masks keep bit 3 / bit 7 of each byte. y = +-0 keeps x's sign; y is NaN
     only when the block's scale is (IEEE recipe), where the mask drops the signs, as the
-    GPU's NaN product has none. Integer work is 2 min per element and 6 instructions per 8
-    elements; the rest runs on the FMA pipe."""
+    GPU's NaN product has none. Integer work: the three min.s32 (two instructions on SM90,
+    a 3-input min and the cap) per element and 6 instructions per 8 elements; the rest runs
+    on the FMA pipe."""
     base = (-(0x4B000000 * 0x11111111)) % (1 << 32)
     lines = ["{", ".reg .b32 lo, hi, y, f0, f1, f2, c, acc, sa, sb, s;", ".reg .b16 h0, h1;",
              f"mov.b32 acc, {base};"]
@@ -729,12 +731,16 @@ def _hardware_e4m3(device: torch.device) -> bool:
     return _HARDWARE_E4M3 and device.type == "cuda" and not _interpreting()
 
 
-def _word_asm(device: torch.device, in_kind: int, fast_math: bool) -> bool:
-    """Whether the NVFP4 kernel takes the word-level PTX path: bf16/fp16 input (IN_KIND 0/1),
-    the IEEE recipe (fast math's inf scales make NaN products inside a block, whose signs that
-    path cannot drop per element), on a GPU."""
+def _word_asm(device: torch.device, in_kind: int, fast_math: bool,
+              stride_row: Optional[int] = None) -> bool:
+    """Whether a kernel takes the word-level PTX path: bf16/fp16 input (IN_KIND 0/1), the IEEE
+    recipe (fast math's inf scales make NaN products inside a block, whose signs that path
+    cannot drop per element), on a GPU. ``stride_row`` (NVFP4, in words): a multiple of 16,
+    so that Triton knows every row is 16-byte aligned and gives each thread its block's 4
+    words in a row; ``_e2m1_words`` takes one block's sign masks for its 4 words, which then
+    is right (with fewer words per thread it could mix blocks)."""
     return (_WORD_ASM and in_kind in (0, 1) and not fast_math and device.type == "cuda"
-            and not _interpreting())
+            and not _interpreting() and (stride_row is None or stride_row % 16 == 0))
 
 
 def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
@@ -878,7 +884,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         words, rows if rows is not None else words, global_scale, out, out_scales,
         num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
         HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
-        FAST_MATH=fast_math, WORD_ASM=_word_asm(x.device, in_kind, fast_math),
+        FAST_MATH=fast_math, WORD_ASM=_word_asm(x.device, in_kind, fast_math, stride_row),
         BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps,
         PREFETCH=min(NVFP4_PREFETCH, steps), num_warps=warps, **_register_cap(NVFP4_MAXNREG),
         enable_fp_fusion=False)

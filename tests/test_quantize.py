@@ -232,10 +232,12 @@ def test_gpu_portable_nvfp4_path(seed, monkeypatch, dtype):
     x = _hard_input(300, 7168, dtype, "cuda")
     x[7, 100], x[9, 5] = float("nan"), -float("inf")
     gs = torch.full((1,), 3.0, device="cuda")
-    assert Q._word_asm(x.device, Q._PAIR_VIEWS[dtype][0], fast_math=False)
+    kind, stride = Q._PAIR_VIEWS[dtype][0], x.shape[1] // 2
+    assert Q._word_asm(x.device, kind, fast_math=False, stride_row=stride)
+    assert not Q._word_asm(x.device, kind, fast_math=False, stride_row=24)  # H = 48: unaligned
     word = [Q.quantize_nvfp4(x, gs, layout=layout) for layout in R.SCALE_LAYOUTS]
     monkeypatch.setattr(Q, "_WORD_ASM", False)
-    assert not Q._word_asm(x.device, Q._PAIR_VIEWS[dtype][0], fast_math=False)
+    assert not Q._word_asm(x.device, kind, fast_math=False, stride_row=stride)
     for layout, ours in zip(R.SCALE_LAYOUTS, word):
         theirs = R.quantize_nvfp4(x, gs, layout=layout)
         _assert_same(ours, theirs)
