@@ -45,6 +45,11 @@ STAGES = ("prepare", "transport", "quantize")
 # Payload dtypes that dispatch and combine take unquantized.
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANT_FORMATS = ("nvfp4", "mxfp8")
+# dispatch(quant="nvfp4") on the Triton transport with the Triton quantizer and H % 64 == 0:
+# quantize inside the send kernel (``triton_transport.triton_dispatch_nvfp4``, one transfer)
+# instead of quantizing locally and moving codes and scales as two transfers. Off by default:
+# bit-exact in the CPU emulation tests, not yet run on a GPU.
+FUSED_NVFP4_DISPATCH = False
 
 
 def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -408,7 +413,8 @@ class MoEAlltoall:
         x:            [T, H] bfloat16 / float16 / float32 contiguous, T = plan.num_tokens.
         plan:         this rank's plan from :meth:`prepare`.
         quant:        None: move x as is. ``"nvfp4"``: quantize locally (quantize stage,
-                      linear scale layout), move packed rows and scale rows as two tensors.
+                      linear scale layout), move packed rows and scale rows as two tensors
+                      (or, with ``FUSED_NVFP4_DISPATCH``, quantize in the Triton send kernel).
                       ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales (blocks of 32).
         global_scale: [1] float32, the NVFP4 global encode scale (448*6 / amax); nvfp4 only.
         Returns, rows by source rank then the source's send order, rows past total_recv 0:
@@ -430,6 +436,14 @@ class MoEAlltoall:
         if quant == "nvfp4":
             if global_scale is None:
                 raise ValueError("quant='nvfp4' needs global_scale ([1] float32, 448*6 / amax)")
+            if (FUSED_NVFP4_DISPATCH and self.backends["transport"] == "triton"
+                    and self.backends["quantize"] == "triton" and x.shape[1] % 64 == 0):
+                from a2a import triton_transport
+                workspace, counter = self._transport_workspace(
+                    "dispatch", triton_transport.nvfp4_row_bytes(x.shape[1]))
+                return triton_transport.triton_dispatch_nvfp4(
+                    x, global_scale, plan, workspace, call_counter=counter,
+                    status=self._transport_status, check=False)
             from a2a.quantize import quantize_nvfp4
             packed, scales = quantize_nvfp4(x, global_scale, layout="linear",
                                             backend=self.backends["quantize"])

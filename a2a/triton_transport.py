@@ -13,6 +13,11 @@ cumsums and index lists they are given, exactly as FlashInfer's ``moe_comm`` is 
                   chunk ``chunk`` of area[s][parity] (L2 reads, ``.cg``) to output rows
                   ``recv_indices[recv_start(s) + i]``.
 
+``_send_nvfp4_kernel`` (``triton_dispatch_nvfp4``) is a send kernel that quantizes on the way:
+it reads each row of x once, quantizes it to NVFP4 in registers with ``kernels.quantize``'s
+tile code and stores codes and scales into one ``nvfp4_row_bytes(H)`` slot; the receive kernel
+then splits the slots into the two outputs (``SPLIT_WORDS``).
+
 Both sides split a segment of ``count`` rows into the same C chunks of ``ceil(count / C)`` rows
 (the sender's count for q equals q's receive count from the sender: the plan says so), so a
 receiving program needs just one flag. The local segment (q = me) takes the same path.
@@ -94,6 +99,7 @@ import triton.language as tl
 
 from a2a.triton_prepare import TIMEOUT_SPINS, wait_for_flags, advance_call
 from kernels.permute import _round_to
+from kernels.quantize import _load_halves, _nvfp4_tile
 from kernels.types import AlltoallPlan
 from kernels.validate import check_tensor
 
@@ -173,11 +179,15 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
 
 @triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_rows", "num_out_rows", "tail_rows",
                                "timeout_spins"])
-def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counter_ptr,
-                 status_ptr, ep_rank, ep_size, max_rows, num_out_rows, tail_rows,
+def _recv_kernel(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride,
+                 counter_ptr, status_ptr, ep_rank, ep_size, max_rows, num_out_rows, tail_rows,
                  timeout_spins, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                  MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 BLOCK_WORDS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                 BLOCK_WORDS: tl.constexpr, ZERO_TAIL: tl.constexpr,
+                 SPLIT_WORDS: tl.constexpr = 0, OUT2_WORDS: tl.constexpr = 0):
+    """SPLIT_WORDS > 0: words [0, SPLIT_WORDS) of each row go to ``out_ptr`` (rows of
+    SPLIT_WORDS words), words [SPLIT_WORDS, +OUT2_WORDS) to ``out2_ptr`` (rows of OUT2_WORDS
+    words), the rest of the row (padding) nowhere."""
     peer = tl.program_id(0)  # source
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -215,7 +225,8 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
             ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
             values = tl.load(area + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
                              mask=ok & arrived, other=0, cache_modifier=".cg")
-            tl.store(out32 + target[:, None] * ROW_WORDS + words[None, :], values, mask=ok)
+            _store_row_words(out32, out2_ptr, target, words, values, ok, ROW_WORDS,
+                             SPLIT_WORDS, OUT2_WORDS)
 
     if ZERO_TAIL:  # output rows [total, num_out_rows), spread over the programs
         total = tl.load(cumsum_ptr + ep_size - 1)
@@ -228,8 +239,69 @@ def _recv_kernel(out_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counte
             for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
                 words = word0 + tl.arange(0, BLOCK_WORDS)
                 ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
-                tl.store(out32 + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :],
-                         tl.zeros((BLOCK_ROWS, BLOCK_WORDS), tl.int32), mask=ok)
+                _store_row_words(out32, out2_ptr, rows.to(tl.int64), words,
+                                 tl.zeros((BLOCK_ROWS, BLOCK_WORDS), tl.int32), ok, ROW_WORDS,
+                                 SPLIT_WORDS, OUT2_WORDS)
+
+
+@triton.jit
+def _store_row_words(out32, out2_ptr, target, words, values, ok, ROW_WORDS: tl.constexpr,
+                     SPLIT_WORDS: tl.constexpr, OUT2_WORDS: tl.constexpr):
+    """Store words ``words`` of rows ``target`` (int64) of the received rows: into one output
+    of ROW_WORDS-word rows, or (SPLIT_WORDS > 0) split between two (``_recv_kernel``)."""
+    if SPLIT_WORDS == 0:
+        tl.store(out32 + target[:, None] * ROW_WORDS + words[None, :], values, mask=ok)
+    else:
+        out2 = out2_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        first = (words < SPLIT_WORDS)[None, :]
+        second = ((words >= SPLIT_WORDS) & (words < SPLIT_WORDS + OUT2_WORDS))[None, :]
+        tl.store(out32 + target[:, None] * SPLIT_WORDS + words[None, :], values,
+                 mask=ok & first)
+        tl.store(out2 + target[:, None] * OUT2_WORDS + (words - SPLIT_WORDS)[None, :], values,
+                 mask=ok & second)
+
+
+@triton.jit(do_not_specialize=["ep_rank", "max_rows"])
+def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indices_ptr, ws_ptr,
+                       ws_row_stride, counter_ptr, ep_rank, max_rows, hidden,
+                       FLAG_WORDS: tl.constexpr, ROW_BYTES: tl.constexpr,
+                       MAX_CHUNKS: tl.constexpr, IN_KIND: tl.constexpr,
+                       WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                       BLOCKS: tl.constexpr):
+    """``_send_kernel`` that quantizes on the way: program (q, chunk) reads the rows of its
+    chunk (``indices_ptr`` through the cumsum's segment q) from x, quantizes them to NVFP4 in
+    registers (``kernels.quantize``'s tile code, IEEE recipe, linear scales) and stores each
+    row's packed codes (H/2 bytes) and scales (H/16 bytes) into one ROW_BYTES slot of q's
+    inbox, then publishes the flag as ``_send_kernel`` does."""
+    peer = tl.program_id(0)  # destination
+    chunk = tl.program_id(1)
+    call = tl.load(counter_ptr)
+    parity = call % 2
+    ws8 = ws_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    peer_row = peer.to(tl.int64) * ws_row_stride  # in 64-bit words
+    area = (ws8 + peer_row * 8 + FLAG_WORDS * 4
+            + ((ep_rank * 2 + parity) * max_rows).to(tl.int64) * ROW_BYTES)
+    global_scale = tl.load(global_scale_ptr)
+    num_blocks = hidden // 16
+
+    seg_start, count = _segment(cumsum_ptr, peer)
+    begin, end = _chunk_bounds(count, chunk, tl.num_programs(1))
+    for row0 in range(begin, end, BLOCK_ROWS):
+        rows = row0 + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < end
+        source = tl.load(indices_ptr + seg_start + rows, mask=row_ok, other=0).to(tl.int64)
+        in_ptrs = words_ptr + source * stride_row
+        out_ptrs = area + rows.to(tl.int64) * ROW_BYTES
+        for block0 in range(0, num_blocks, BLOCKS):
+            w = _load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
+            _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, out_ptrs, out_ptrs + hidden // 2,
+                        rows, block0, end, num_blocks, end, num_blocks, IN_KIND, 0, False,
+                        WORD_ASM, BLOCK_ROWS, BLOCKS)
+    # Every thread's stores above happen before the flag: barrier, then one release store.
+    tl.debug_barrier()
+    flag = ws64 + peer_row + ep_rank * MAX_CHUNKS + chunk
+    tl.atomic_xchg(flag, call + 1, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["ep_size", "num_slots", "max_rows"])
@@ -358,12 +430,17 @@ def _check_common(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tenso
                   call_counter: torch.Tensor, status: Optional[torch.Tensor],
                   expected_rows: int, what: str) -> int:
     """Validate one transfer's inputs; returns the row size in bytes."""
-    device = rows.device
-    check_tensor(what, rows, dtype=torch.uint8, ndim=2, device=device, contiguous=True)
+    check_tensor(what, rows, dtype=torch.uint8, ndim=2, contiguous=True)
     if rows.shape[0] != expected_rows:
         raise ValueError(f"{what} has {rows.shape[0]} rows, expected {expected_rows}")
-    row_bytes = rows.shape[1]
-    check_row_bytes(what, row_bytes)
+    check_row_bytes(what, rows.shape[1])
+    _check_state(plan, workspace, call_counter, status, rows.shape[1], rows.device)
+    return rows.shape[1]
+
+
+def _check_state(plan: AlltoallPlan, workspace: torch.Tensor, call_counter: torch.Tensor,
+                 status: Optional[torch.Tensor], row_bytes: int, device: torch.device) -> None:
+    """Validate the workspace (for rows of ``row_bytes``), call counter and status."""
     check_tensor("workspace", workspace, dtype=(torch.int64, torch.uint64), ndim=2,
                  device=device)
     needed = transport_workspace_bytes(plan.ep_size, plan.max_tokens_per_rank, row_bytes) // 8
@@ -381,7 +458,6 @@ def _check_common(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tenso
         if status.numel() != plan.ep_size:
             raise ValueError(f"status must have ep_size={plan.ep_size} entries, got "
                              f"{status.numel()}")
-    return row_bytes
 
 
 def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_programs):
@@ -408,8 +484,8 @@ def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, p
                               max_programs)
     num_out_rows = out.shape[0]
     _recv_kernel[(ep_size, chunks)](
-        out, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter, status,
-        plan.ep_rank, ep_size, max_rows, num_out_rows,
+        out, out, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter,
+        status, plan.ep_rank, ep_size, max_rows, num_out_rows,
         triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
         ZERO_TAIL=zero_tail, **constants)
     if check:
@@ -471,6 +547,85 @@ def triton_combine_rows(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch
                      plan.send_rank_count_cumsum, plan.backward_recv_rank_local_indices, plan,
                      workspace, call_counter, status, zero_tail=False,
                      timeout_spins=timeout_spins, max_programs=max_programs, check=check)
+
+
+# NVFP4 dispatch with the quantizer in the send kernel: a thread per scale block, 4 warps.
+NVFP4_SEND_BLOCKS, NVFP4_SEND_THREADS = 64, 128
+NVFP4_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def nvfp4_row_bytes(hidden: int) -> int:
+    """Bytes of one NVFP4 row in the inbox: H/2 packed codes then H/16 scales, padded to 16."""
+    return _round_up(hidden // 2 + hidden // 16, ROW_ALIGN_BYTES)
+
+
+def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: AlltoallPlan,
+                          workspace: torch.Tensor, *, call_counter: torch.Tensor,
+                          status: Optional[torch.Tensor] = None, check: bool = True,
+                          timeout_spins: int = TIMEOUT_SPINS,
+                          max_programs: int = TRANSPORT_PROGRAMS
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch with NVFP4 quantization fused into the send (collective).
+
+    Each sent row is read from x once, quantized in registers (the IEEE recipe of
+    ``kernels.quantize.quantize_nvfp4``, bit-exact, linear scales) and stored as packed codes
+    and scales straight into the destination's inbox, one ``nvfp4_row_bytes(H)`` slot per row;
+    the receive kernel splits the slots into the two outputs. One transfer instead of a local
+    quantize pass and two transfers.
+
+    x:            [T, H] bf16/fp16/fp32, T = plan.num_tokens, H % 64 == 0 (the scales of a
+                  row are whole 32-bit words).
+    global_scale: [1] float32 NVFP4 encode scale on x's device.
+    workspace:    as in :func:`triton_dispatch_rows` for rows of ``nvfp4_row_bytes(H)`` bytes
+                  (its own workspace and counter).
+    Returns (packed [N*R, H/2] uint8, two codes per byte, element 2i in the low nibble;
+    scales [N*R, H/16] uint8 e4m3 bits, linear), rows by source rank then the source's send
+    order, rows past total_recv 0: ``quantize_nvfp4`` of the rows :func:`triton_dispatch_rows`
+    would deliver.
+    """
+    from kernels.quantize import _as_pairs, _word_asm
+    from kernels.reference import _check_global_scale
+    check_tensor("x", x, dtype=NVFP4_DTYPES, ndim=2)
+    if x.shape[0] != plan.num_tokens:
+        raise ValueError(f"x has {x.shape[0]} rows, expected plan.num_tokens={plan.num_tokens}")
+    hidden = x.shape[1]
+    if hidden % 64 or hidden == 0:
+        raise ValueError(f"x has H={hidden} columns; the fused NVFP4 dispatch needs H % 64 == 0 "
+                         f"(its scale rows, H/16 bytes, move as whole 32-bit words): quantize "
+                         f"first and dispatch codes and scales as two transfers instead")
+    _check_global_scale(global_scale, x.device)
+    row_bytes = nvfp4_row_bytes(hidden)
+    _check_state(plan, workspace, call_counter, status, row_bytes, x.device)
+    ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
+    if status is None:
+        status = torch.zeros(ep_size, dtype=torch.int64, device=x.device)
+    words, stride_row, in_kind = _as_pairs(x)
+    chunks = transport_chunks(ep_size, max_programs)
+    blocks = min(NVFP4_SEND_BLOCKS, triton.next_power_of_2(hidden // 16))
+    block_rows = max(1, NVFP4_SEND_THREADS // blocks)
+    flag_words = _flag_bytes(ep_size) // WORD_BYTES
+    _send_nvfp4_kernel[(ep_size, chunks)](
+        words, stride_row, global_scale, plan.send_rank_count_cumsum,
+        plan.send_rank_local_indices, workspace, workspace.stride(0), call_counter,
+        plan.ep_rank, max_rows, hidden, FLAG_WORDS=flag_words, ROW_BYTES=row_bytes,
+        MAX_CHUNKS=MAX_CHUNKS, IN_KIND=in_kind,
+        WORD_ASM=_word_asm(x.device, in_kind, False, stride_row), BLOCK_ROWS=block_rows,
+        BLOCKS=blocks, num_warps=max(1, block_rows * blocks // 32), enable_fp_fusion=False)
+    num_out_rows = max_rows * ep_size
+    packed = torch.empty((num_out_rows, hidden // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((num_out_rows, hidden // 16), dtype=torch.uint8, device=x.device)
+    row_words = row_bytes // WORD_BYTES
+    block_rows, block_words = _tile(row_words)
+    _recv_kernel[(ep_size, chunks)](
+        packed, scales, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices, workspace,
+        workspace.stride(0), call_counter, status, plan.ep_rank, ep_size, max_rows,
+        num_out_rows, triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
+        FLAG_WORDS=flag_words, ROW_WORDS=row_words, MAX_CHUNKS=MAX_CHUNKS,
+        BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, ZERO_TAIL=True,
+        SPLIT_WORDS=hidden // 8, OUT2_WORDS=hidden // 64, num_warps=NUM_WARPS)
+    if check:
+        raise_on_timeout(status, plan.ep_rank)
+    return packed, scales
 
 
 # Fused combine: token tiles of the reduction (elements per tile: 4 tokens x 1024).

@@ -16,7 +16,8 @@ first use of FlashInfer's alltoall module JIT-builds it once).
 - MoEAlltoall (and its three MNNVL workspaces) is made, used and closed 20 times without
   leaking device memory, address reservations or file descriptors;
 - the Triton transport: 1,000 dispatch/combine iterations with fresh routing (bf16, and nvfp4
-  every 10th), bit-identical to the torch transport on the same plan, no timeout; dispatch and
+  every 10th, also with the quantizer in the send kernel: FUSED_NVFP4_DISPATCH),
+  bit-identical to the torch transport on the same plan, no timeout; dispatch and
   combine captured in a CUDA graph and replayed with fresh inputs.
 """
 
@@ -29,6 +30,7 @@ import warnings
 import pytest
 import torch
 
+from a2a import alltoall as alltoall_module
 from a2a.alltoall import MoEAlltoall
 from kernels import reference
 from kernels.types import UNUSED
@@ -334,6 +336,12 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
             got = triton.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
             want = torch_ref.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
             same = same and all(torch.equal(a, b) for a, b in zip(got, want))
+            alltoall_module.FUSED_NVFP4_DISPATCH = True  # quantizing in the send kernel
+            try:
+                fused = triton.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
+            finally:
+                alltoall_module.FUSED_NVFP4_DISPATCH = False
+            same = same and all(torch.equal(a, b) for a, b in zip(fused, want))
         if not same:
             mismatches.append(step)
     triton.check_transport()

@@ -81,18 +81,26 @@ class Ranks:
                                 for _ in range(ep_size)] for kind in ("dispatch", "combine")}
 
 
-def _mover(kind):
-    """The transport call of ``kind``: dispatch, combine (scattered rows) or combine_fused
-    (bf16 rows reduced over k in the receive kernel); the last two share a workspace."""
+def _mover(kind, global_scale=None):
+    """The transport call of ``kind``: dispatch, dispatch_nvfp4 (quantizing in the send, with
+    ``global_scale``), combine (scattered rows) or combine_fused (bf16 rows reduced over k in
+    the receive kernel); each dispatch kind has its own workspace, the combines share one."""
     if kind == "combine_fused":
         return lambda *args, **kwargs: tt.triton_combine(*args, dtype=torch.bfloat16, **kwargs)
+    if kind == "dispatch_nvfp4":
+        return lambda x, plan, *args, **kwargs: tt.triton_dispatch_nvfp4(
+            x, global_scale, plan, *args, **kwargs)
     return tt.triton_dispatch_rows if kind == "dispatch" else tt.triton_combine_rows
 
 
-def emulate(kind, rows_per_rank, plans, ranks, max_programs):
+def _state_kind(kind):
+    return {"combine_fused": "combine", "dispatch_nvfp4": "dispatch"}.get(kind, kind)
+
+
+def emulate(kind, rows_per_rank, plans, ranks, max_programs, global_scale=None):
     """One call of ``kind`` on every rank, emulated in two passes (see the module docstring)."""
-    move = _mover(kind)
-    kind = "combine" if kind == "combine_fused" else kind
+    move = _mover(kind, global_scale)
+    kind = _state_kind(kind)
     counters = ranks.counters[kind]
     start = [int(c) for c in counters]
     for spins, check in ((2, False), (1000, True)):
@@ -177,6 +185,59 @@ def test_nvfp4_payload_moves_bit_exactly_on_cpu(monkeypatch):
             assert torch.equal(got[rank], want[rank]), (part, rank)
 
 
+def _nvfp4_want(xs, plans, global_scale):
+    """What the fused NVFP4 dispatch must deliver: the reference quantization (IEEE recipe,
+    linear scales) of the rows a plain dispatch delivers (zero rows quantize to zeros)."""
+    return [ref.quantize_nvfp4(rows, global_scale.to(rows.device))
+            for rows in ref.simulate_dispatch(xs, plans)]
+
+
+@interpreted
+@pytest.mark.parametrize("tokens,hidden,skewed,dtype", [
+    ([6, 4], 256, False, torch.bfloat16), ([5, 0, 7, 3], 192, True, torch.float16),
+    ([3, 4], 64, False, torch.float32)])
+def test_fused_nvfp4_dispatch_on_cpu(monkeypatch, tokens, hidden, skewed, dtype):
+    """Quantizing in the send kernel delivers, bit for bit, the reference quantization of what
+    a plain dispatch delivers, over calls of both parities (H = 192: a partial block tile)."""
+    _interpreter_with_runtime_loops(monkeypatch)
+    max_tokens, top_k, experts = 8, 2, 8
+    generator = torch.Generator().manual_seed(hidden + len(tokens))
+    ranks = Ranks(len(tokens), max_tokens, tt.nvfp4_row_bytes(hidden), "cpu")
+    for call in range(3):
+        plans = make_plans(tokens, top_k, experts, max_tokens, generator, skewed)
+        xs = [(torch.randn(t, hidden, generator=generator) * 4).to(dtype) for t in tokens]
+        amax = max([float(x.float().abs().max()) for x in xs if x.numel()] + [1.0])
+        global_scale = torch.tensor([448.0 * 6.0 / amax])
+        got = emulate("dispatch_nvfp4", xs, plans, ranks, 2, global_scale)
+        for rank, (packed, scales) in enumerate(_nvfp4_want(xs, plans, global_scale)):
+            assert torch.equal(got[rank][0], packed), (call, rank)
+            assert torch.equal(got[rank][1], scales), (call, rank)
+
+
+def test_fused_nvfp4_dispatch_bad_inputs_raise():
+    generator = torch.Generator().manual_seed(5)
+    plan = make_plans([3, 2], 2, 4, 4, generator, False)[0]
+    ranks = Ranks(2, 4, tt.nvfp4_row_bytes(128), "cpu")
+    args = dict(call_counter=ranks.counters["dispatch"][0])
+    gs = torch.ones(1)
+    with pytest.raises(ValueError, match="H % 64 == 0"):
+        tt.triton_dispatch_nvfp4(torch.zeros(3, 96), gs, plan, ranks.workspace["dispatch"],
+                                 **args)
+    with pytest.raises(ValueError, match="expected plan.num_tokens=3"):
+        tt.triton_dispatch_nvfp4(torch.zeros(2, 128), gs, plan, ranks.workspace["dispatch"],
+                                 **args)
+    with pytest.raises(TypeError):
+        tt.triton_dispatch_nvfp4(torch.zeros(3, 128, dtype=torch.int32), gs, plan,
+                                 ranks.workspace["dispatch"], **args)
+    with pytest.raises(ValueError, match="global_scale"):
+        tt.triton_dispatch_nvfp4(torch.zeros(3, 128), torch.ones(2), plan,
+                                 ranks.workspace["dispatch"], **args)
+    small = Ranks(2, 4, 16, "cpu").workspace["dispatch"]  # sized for 16-byte rows
+    with pytest.raises(ValueError, match="workspace must be"):
+        tt.triton_dispatch_nvfp4(torch.zeros(3, 128), gs, plan, small, **args)
+    assert tt.nvfp4_row_bytes(7168) == 4032 and tt.nvfp4_row_bytes(64) == 48
+
+
 @interpreted
 def test_missing_rank_times_out_and_is_named(monkeypatch):
     _interpreter_with_runtime_loops(monkeypatch)
@@ -230,10 +291,11 @@ def test_workspace_size():
 # GPU: simulated ranks on one GPU
 # ---------------------------------------------------------------------------------------------
 
-def simulate_ranks(kind, rows_per_rank, plans, ranks, statuses, max_programs):
+def simulate_ranks(kind, rows_per_rank, plans, ranks, statuses, max_programs,
+                   global_scale=None):
     """Launch every rank's transfer on its own stream (check=False); return after a sync."""
-    move = _mover(kind)
-    kind = "combine" if kind == "combine_fused" else kind
+    move = _mover(kind, global_scale)
+    kind = _state_kind(kind)
     streams = [torch.cuda.Stream() for _ in plans]
     current = torch.cuda.current_stream()
     outs = [None] * len(plans)
@@ -293,6 +355,39 @@ def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tok
         for rank in range(ep_size):
             assert int(statuses[rank].max()) == 0, (call, rank, statuses[rank])
             assert torch.equal(fused[rank], combined_want[rank].to(device)), (call, rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep_size,max_tokens,hidden,max_programs",
+                         [(2, 300, 7168, 8), (4, 64, 192, 8)])
+def test_simulated_ranks_fused_nvfp4_dispatch(device, ep_size, max_tokens, hidden,
+                                              max_programs):
+    """The quantizing send on one GPU, R simulated ranks, 20 calls with fresh routing: the
+    reference quantization of what a plain dispatch delivers, bit for bit."""
+    top_k, experts = 8, 8 * ep_size
+    generator = torch.Generator().manual_seed(ep_size + hidden)
+    row_bytes = tt.nvfp4_row_bytes(hidden)
+    ranks = Ranks(ep_size, max_tokens, row_bytes, device)
+    statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
+    global_scale = torch.tensor([448.0 * 6.0 / 16.0], device=device)
+    warm = Ranks(1, max_tokens, row_bytes, device)  # compile first: simulated ranks spin
+    plan = _plan_to(make_plans([4], top_k, experts, max_tokens, generator, False)[0], device)
+    tt.triton_dispatch_nvfp4(torch.zeros(4, hidden, dtype=torch.bfloat16, device=device),
+                             global_scale, plan, warm.workspace["dispatch"],
+                             call_counter=warm.counters["dispatch"][0], max_programs=1)
+    for call in range(20):
+        tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=generator))
+                  for _ in range(ep_size)]
+        plans = [_plan_to(p, device) for p in
+                 make_plans(tokens, top_k, experts, max_tokens, generator, call % 2 == 1)]
+        xs = [(torch.randn(t, hidden, generator=generator) * 4).to(torch.bfloat16).to(device)
+              for t in tokens]
+        got = simulate_ranks("dispatch_nvfp4", xs, plans, ranks, statuses, max_programs,
+                             global_scale)
+        for rank, (packed, scales) in enumerate(_nvfp4_want(xs, plans, global_scale)):
+            assert int(statuses[rank].max()) == 0, (call, rank, statuses[rank])
+            assert torch.equal(got[rank][0], packed), (call, rank)
+            assert torch.equal(got[rank][1], scales), (call, rank)
 
 
 def _plan_to(plan, device):
