@@ -23,6 +23,7 @@ Bytes (per rank, averaged over the ranks; ``row`` = bytes of one payload row):
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional
 
 import torch
@@ -33,6 +34,7 @@ from bench.stages import (Path, Stage, Unavailable, assert_same, generator, load
 # DeepSeek-V3 routing in the layer (runs on FlashInfer on SM90 too).
 LAYER_ROUTING = dict(method="deepseek_v3", num_groups=8, topk_groups=4, routed_scaling=2.5)
 ONE_SIDED = "flashinfer_one_sided"
+FUSED = "triton_fused"  # NVFP4 dispatch with the quantizer in the Triton send kernel
 # The Triton transport's target shapes (bench/targets.py), added to dispatch and combine.
 TRANSPORT_TARGET_SHAPES = [dict(tokens=t, hidden=7168, experts=32, top_k=8, routing="uniform")
                            for t in (16, 2048)]
@@ -237,6 +239,9 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     paths = [make_path(b, ours(b), normalize=lambda out: _received(out, inputs),
                        capture_safe=b != "torch")
              for b in ("triton", "flashinfer", "torch")]
+    if quant == "nvfp4":  # the quantizer in the Triton send kernel (FUSED_NVFP4_DISPATCH)
+        paths.append(make_path(FUSED, _fused_nvfp4(ctx, shape, inputs, x),
+                               normalize=lambda out: _received(out, inputs), capture_safe=True))
     if quant is not None:
         paths.append(Path(ONE_SIDED, reason="not run: the one-sided reference row sends bf16 "
                                             "rows only"))
@@ -260,6 +265,27 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                      normalize=lambda recv: _one_sided_sorted(recv[0], recv[1], inputs),
                      after=lambda: holder["after"]())
     return paths + [path]
+
+
+def _fused_nvfp4(ctx, shape: dict, inputs: dict, x):
+    """Path factory: MoEAlltoall's NVFP4 dispatch on the Triton transport with the quantizer in
+    the send kernel (the switch is a module flag, set around the call; a captured graph keeps
+    what ran at capture)."""
+    def factory():
+        alltoall = importlib.import_module("a2a.alltoall")
+        if not hasattr(alltoall, "FUSED_NVFP4_DISPATCH"):
+            raise Unavailable("not available: a2a.alltoall.FUSED_NVFP4_DISPATCH is not written")
+        a2a = _moe_alltoall(ctx, shape, "torch", "triton")
+        plan = a2a.prepare(inputs["ids"][inputs["rank"]], inputs["weights"][inputs["rank"]])
+
+        def dispatch():
+            alltoall.FUSED_NVFP4_DISPATCH = True
+            try:
+                return a2a.dispatch(x, plan, quant="nvfp4", global_scale=inputs["global_scale"])
+            finally:
+                alltoall.FUSED_NVFP4_DISPATCH = False
+        return dispatch
+    return factory
 
 
 def _dispatch_check(out, ref, inputs, shape) -> None:
