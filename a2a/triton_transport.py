@@ -549,8 +549,10 @@ def triton_combine_rows(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch
                      timeout_spins=timeout_spins, max_programs=max_programs, check=check)
 
 
-# NVFP4 dispatch with the quantizer in the send kernel: a thread per scale block, 4 warps.
-NVFP4_SEND_BLOCKS, NVFP4_SEND_THREADS = 64, 128
+# NVFP4 dispatch with the quantizer in the send kernel: steps of NVFP4_SEND_TILE scale blocks
+# (up to NVFP4_SEND_BLOCKS per row, the rest in rows) on 4 warps, i.e. 16 KB of bf16 per step,
+# four blocks per thread: the byte-row send kernel's tile size (a first guess; not yet timed).
+NVFP4_SEND_BLOCKS, NVFP4_SEND_TILE, NVFP4_SEND_WARPS = 64, 512, 4
 NVFP4_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -602,7 +604,7 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
     words, stride_row, in_kind = _as_pairs(x)
     chunks = transport_chunks(ep_size, max_programs)
     blocks = min(NVFP4_SEND_BLOCKS, triton.next_power_of_2(hidden // 16))
-    block_rows = max(1, NVFP4_SEND_THREADS // blocks)
+    block_rows = max(1, NVFP4_SEND_TILE // blocks)
     flag_words = _flag_bytes(ep_size) // WORD_BYTES
     _send_nvfp4_kernel[(ep_size, chunks)](
         words, stride_row, global_scale, plan.send_rank_count_cumsum,
@@ -610,7 +612,7 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
         plan.ep_rank, max_rows, hidden, FLAG_WORDS=flag_words, ROW_BYTES=row_bytes,
         MAX_CHUNKS=MAX_CHUNKS, IN_KIND=in_kind,
         WORD_ASM=_word_asm(x.device, in_kind, False, stride_row), BLOCK_ROWS=block_rows,
-        BLOCKS=blocks, num_warps=max(1, block_rows * blocks // 32), enable_fp_fusion=False)
+        BLOCKS=blocks, num_warps=NVFP4_SEND_WARPS, enable_fp_fusion=False)
     num_out_rows = max_rows * ep_size
     packed = torch.empty((num_out_rows, hidden // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((num_out_rows, hidden // 16), dtype=torch.uint8, device=x.device)
