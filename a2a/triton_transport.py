@@ -151,13 +151,9 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
     peer = tl.program_id(0)  # destination
     chunk = tl.program_id(1)
     call = tl.load(counter_ptr)
-    parity = call % 2
     rows32 = rows_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    peer_row = peer.to(tl.int64) * ws_row_stride  # in 64-bit words
-    area = (ws32 + peer_row * 2 + FLAG_WORDS
-            + ((ep_rank * 2 + parity) * max_rows).to(tl.int64) * ROW_WORDS)
+    area = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS,
+                   ROW_WORDS * 4).to(tl.pointer_type(tl.int32), bitcast=True)
 
     seg_start, count = _segment(cumsum_ptr, peer)
     begin, end = _chunk_bounds(count, chunk, tl.num_programs(1))
@@ -171,9 +167,25 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
             values = tl.load(rows32 + source[:, None] * ROW_WORDS + words[None, :], mask=ok)
             tl.store(area + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], values,
                      mask=ok)
-    # Every thread's stores above happen before the flag: barrier, then one release store.
+    _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
+
+
+@triton.jit
+def _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS: tl.constexpr,
+            ROW_BYTES: tl.constexpr):
+    """Byte pointer to area[ep_rank][call % 2] of ``peer``'s inbox (rows of ROW_BYTES)."""
+    ws8 = ws_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    return (ws8 + peer.to(tl.int64) * ws_row_stride * 8 + FLAG_WORDS * 4
+            + ((ep_rank * 2 + call % 2) * max_rows).to(tl.int64) * ROW_BYTES)
+
+
+@triton.jit
+def _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS: tl.constexpr):
+    """Set flag[ep_rank, chunk] of ``peer``'s inbox to call + 1 after every thread's stores:
+    a CTA barrier, then one release store at system scope."""
     tl.debug_barrier()
-    flag = ws64 + peer_row + ep_rank * MAX_CHUNKS + chunk
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    flag = ws64 + peer.to(tl.int64) * ws_row_stride + ep_rank * MAX_CHUNKS + chunk
     tl.atomic_xchg(flag, call + 1, sem="release", scope="sys")
 
 
@@ -276,12 +288,7 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
     peer = tl.program_id(0)  # destination
     chunk = tl.program_id(1)
     call = tl.load(counter_ptr)
-    parity = call % 2
-    ws8 = ws_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
-    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-    peer_row = peer.to(tl.int64) * ws_row_stride  # in 64-bit words
-    area = (ws8 + peer_row * 8 + FLAG_WORDS * 4
-            + ((ep_rank * 2 + parity) * max_rows).to(tl.int64) * ROW_BYTES)
+    area = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS, ROW_BYTES)
     global_scale = tl.load(global_scale_ptr)
     num_blocks = hidden // 16
 
@@ -298,10 +305,7 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
             _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, out_ptrs, out_ptrs + hidden // 2,
                         rows, block0, end, num_blocks, end, num_blocks, IN_KIND, 0, False,
                         WORD_ASM, BLOCK_ROWS, BLOCKS)
-    # Every thread's stores above happen before the flag: barrier, then one release store.
-    tl.debug_barrier()
-    flag = ws64 + peer_row + ep_rank * MAX_CHUNKS + chunk
-    tl.atomic_xchg(flag, call + 1, sem="release", scope="sys")
+    _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
 
 
 @triton.jit(do_not_specialize=["ep_size", "num_slots", "max_rows"])
