@@ -143,6 +143,24 @@ def _chunk_bounds(count, chunk, num_chunks):
     return begin, tl.minimum(begin + per_chunk, count)
 
 
+@triton.jit
+def _chunk_range(cumsum_ptr, peer, chunk, num_chunks):
+    """(segment start, chunk rows [begin, end)) of ``peer``'s segment, chunk ``chunk``."""
+    seg_start, count = _segment(cumsum_ptr, peer)
+    begin, end = _chunk_bounds(count, chunk, num_chunks)
+    return seg_start, begin, end
+
+
+@triton.jit
+def _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS: tl.constexpr):
+    """(rows [row0, +BLOCK_ROWS) of a chunk, which are < end, their int64 entries of the
+    index list at seg_start + row)."""
+    rows = row0 + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < end
+    return rows, row_ok, tl.load(indices_ptr + seg_start + rows, mask=row_ok,
+                                 other=0).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["ep_rank", "max_rows"])
 def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counter_ptr,
                  ep_rank, max_rows, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
@@ -155,12 +173,9 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
     area = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS,
                    ROW_WORDS * 4).to(tl.pointer_type(tl.int32), bitcast=True)
 
-    seg_start, count = _segment(cumsum_ptr, peer)
-    begin, end = _chunk_bounds(count, chunk, tl.num_programs(1))
+    seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, tl.num_programs(1))
     for row0 in range(begin, end, BLOCK_ROWS):
-        rows = row0 + tl.arange(0, BLOCK_ROWS)
-        row_ok = rows < end
-        source = tl.load(indices_ptr + seg_start + rows, mask=row_ok, other=0).to(tl.int64)
+        rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
             words = word0 + tl.arange(0, BLOCK_WORDS)
             ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
@@ -226,12 +241,9 @@ def _recv_kernel(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stri
 
     area = (ws32 + my_row * 2 + FLAG_WORDS
             + ((peer * 2 + parity) * max_rows).to(tl.int64) * ROW_WORDS)
-    seg_start, count = _segment(cumsum_ptr, peer)
-    begin, end = _chunk_bounds(count, chunk, num_chunks)
+    seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, num_chunks)
     for row0 in range(begin, end, BLOCK_ROWS):
-        rows = row0 + tl.arange(0, BLOCK_ROWS)
-        row_ok = rows < end
-        target = tl.load(indices_ptr + seg_start + rows, mask=row_ok, other=0).to(tl.int64)
+        rows, row_ok, target = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
             words = word0 + tl.arange(0, BLOCK_WORDS)
             ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
@@ -292,12 +304,9 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
     global_scale = tl.load(global_scale_ptr)
     num_blocks = hidden // 16
 
-    seg_start, count = _segment(cumsum_ptr, peer)
-    begin, end = _chunk_bounds(count, chunk, tl.num_programs(1))
+    seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, tl.num_programs(1))
     for row0 in range(begin, end, BLOCK_ROWS):
-        rows = row0 + tl.arange(0, BLOCK_ROWS)
-        row_ok = rows < end
-        source = tl.load(indices_ptr + seg_start + rows, mask=row_ok, other=0).to(tl.int64)
+        rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         in_ptrs = words_ptr + source * stride_row
         out_ptrs = area + rows.to(tl.int64) * ROW_BYTES
         for block0 in range(0, num_blocks, BLOCKS):
