@@ -7,7 +7,9 @@ each variant in turn, checks its output bit for bit against the torch oracle (ro
 ids), and times it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize
 with an L2 flush before each call), next to FlashInfer where it has the op. The committed
 defaults are the best rows of such a run, and the JSON it writes
-(``bench/results/tune-<gpu>-<time>.json``) is the record of that choice.
+(``bench/results/tune-<gpu>-<time>.json``) is the record of that choice. The NVFP4 case also
+times ``bench.floor`` (the same bytes read and written with no arithmetic), the yardstick for
+how close the quantizer is to the memory system's limit for its traffic.
 
     python -m bench.tune                     # every kernel
     python -m bench.tune --only nvfp4,routing
@@ -66,19 +68,21 @@ def _grid(**axes) -> list[dict]:
 
 
 def _quantize_cases(device) -> list[Case]:
+    from bench import floor
     from kernels import quantize as Q
     from kernels import reference as R
     generator = torch.Generator(device="cpu").manual_seed(SEED)
     tiles = [dict()] + _grid(TILE_ELEMENTS=[2048, 4096, 8192, 16384], NUM_WARPS=[4, 8],
                              MAX_BLOCKS_PER_PROGRAM=[32, 64])
     # NVFP4: a thread holds one block per tile (TILE_ELEMENTS = 16 * 32 * NUM_WARPS)
-    nvfp4 = dict(NVFP4_MAX_BLOCKS=64, NVFP4_STEPS=8)
+    # steps: tiles per program along a row (7 tiles cover a 7168-wide row)
     nvfp4_tiles = [dict()] + [
-        dict(nvfp4, NVFP4_TILE_ELEMENTS=tile, NVFP4_NUM_WARPS=warps, NVFP4_PREFETCH=prefetch,
-             NVFP4_MAXNREG=maxnreg)
-        for tile, warps, prefetch, maxnreg in (
-            (2048, 4, 2, None), (2048, 4, 2, 48), (2048, 4, 1, None), (4096, 8, 2, None),
-            (4096, 8, 2, 48), (4096, 8, 1, None))]
+        dict(NVFP4_MAX_BLOCKS=64, NVFP4_STEPS=steps, NVFP4_TILE_ELEMENTS=tile,
+             NVFP4_NUM_WARPS=warps, NVFP4_PREFETCH=prefetch, NVFP4_MAXNREG=maxnreg)
+        for tile, warps, prefetch, maxnreg, steps in (
+            (2048, 4, 2, None, 8), (2048, 4, 1, None, 8), (2048, 4, 2, None, 4),
+            (2048, 4, 1, None, 1), (1024, 2, 2, None, 8), (4096, 8, 2, None, 8),
+            (2048, 4, 2, 48, 8))]
     # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
     amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
                             AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])
@@ -86,6 +90,9 @@ def _quantize_cases(device) -> list[Case]:
     for rows, hidden in (BIG, SMALL):
         x = (torch.randn(rows, hidden, generator=generator) * 3).to(torch.bfloat16).to(device)
         gs = R.nvfp4_global_scale(x)
+        # the same bytes moved without the arithmetic (bench/floor.py), for scale
+        floors = {f"traffic floor {'x'.join(map(str, v))}":
+                  lambda x=x, v=v: floor.nvfp4_traffic(x, v) for v in floor.FLOOR_VARIANTS}
 
         def with_knobs(fn):
             def run(knobs):
@@ -99,7 +106,7 @@ def _quantize_cases(device) -> list[Case]:
                 with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
                                                                               layout=layout)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
-                nvfp4_tiles))
+                nvfp4_tiles, others=floors if layout == "linear" else {}))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
                               with_knobs(lambda x=x: Q.quantize_mxfp8(x)),
@@ -163,6 +170,8 @@ def run_case(case: Case) -> list[dict]:
             rows.append(dict(case=case.name, variant=name, ok=True, time_us=_time(fn, case.graph)))
         except Exception as error:  # noqa: BLE001 - reported, the sweep goes on
             rows.append(dict(case=case.name, variant=name, ok=False, error=str(error)[:200]))
+        print(f"{case.name:40s} {name:90s} {'ok' if rows[-1]['ok'] else 'FAIL'} "
+              f"{rows[-1].get('time_us') or 0:9.2f} {rows[-1].get('error', '')}", flush=True)
     for knobs in case.variants:
         label = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
         try:
@@ -198,7 +207,8 @@ def main(argv=None) -> None:
         json.dump(dict(gpu=gpu, date=stamp, torch=torch.__version__, rows=rows), f, indent=1)
     best = {}
     for row in rows:
-        if row["ok"] and row.get("time_us") and row["variant"] not in ("flashinfer",):
+        if (row["ok"] and row.get("time_us") and row["variant"] != "flashinfer"
+                and not row["variant"].startswith("traffic floor")):
             if row["case"] not in best or row["time_us"] < best[row["case"]]["time_us"]:
                 best[row["case"]] = row
     print("\nbest per case:")

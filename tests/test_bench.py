@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from bench.floor import FLOOR_VARIANTS, nvfp4_traffic
 from bench import report
 from bench.cli import parse_args
 from bench.runner import RunContext, add_speedups, percent_of_limit, run_stages
@@ -557,3 +558,16 @@ def test_canonical_plan_orders_equal_id_rows_by_weight():
     changed[1, 0] += 0.25
     got = _canonical_plan(dataclasses.replace(plan, recv_weights=changed))
     assert not torch.equal(got["recv_weights"], want["recv_weights"])
+
+
+@pytest.mark.parametrize("variant", FLOOR_VARIANTS)
+def test_traffic_floor_moves_nvfp4_bytes(device, variant):
+    """bench.floor's yardstick writes NVFP4's byte counts: per 16-element block, the 4 low
+    halves of (first 4 words ^ last 4 words) and the low byte of their max."""
+    x = torch.randn(3, 192, device=device).to(torch.bfloat16)
+    out, scales = nvfp4_traffic(x, variant)
+    words = x.view(torch.int32).view(3, 12, 2, 4)
+    mixed = words[:, :, 0] ^ words[:, :, 1]
+    assert out.shape == (3, 96) and scales.shape == (3, 12)
+    assert torch.equal(out.view(torch.int16).view(3, 12, 4), mixed.to(torch.int16))
+    assert torch.equal(scales, (mixed.amax(dim=2) & 0xFF).to(torch.uint8))
