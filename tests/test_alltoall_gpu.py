@@ -17,8 +17,9 @@ first use of FlashInfer's alltoall module JIT-builds it once).
   leaking device memory, address reservations or file descriptors;
 - the Triton transport: 1,000 dispatch/combine iterations with fresh routing (bf16, and nvfp4
   every 10th, also with the quantizer in the send kernel: FUSED_NVFP4_DISPATCH),
-  bit-identical to the torch transport on the same plan, no timeout; dispatch and
-  combine captured in a CUDA graph and replayed with fresh inputs.
+  bit-identical to the torch transport on the same plan, no timeout; prepare, dispatch and
+  combine captured in one CUDA graph and replayed 100 times with fresh routing and inputs,
+  each replay checked. These two also run with one rank (on a 1-GPU host).
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ from tests.support import assert_close, run_distributed
 from tests.test_alltoall import (assert_plans_equal, expert_factor, gather, local_experts,
                                  make_routing)
 
-pytestmark = pytest.mark.multigpu
-
 WORLD_SIZE = 2
 # DeepSeek-like routing on a small layer: FlashInfer needs E % 4 == 0 and rows of 16n bytes;
 # H = 256 gives nvfp4 rows of 128 bytes and scale rows of 16 bytes.
@@ -47,6 +46,9 @@ NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN = 32, 8, 64, 256
 TOKENS = (64, 37)                    # a full rank and an awkward count
 PREPARES = ("triton", "flashinfer", "torch")
 TRANSPORTS = ("triton", "flashinfer", "torch")
+# The Triton transport's soak and CUDA-graph tests: one rank (a 1-GPU host) and WORLD_SIZE.
+RANK_COUNTS = [pytest.param(1, marks=pytest.mark.gpu),
+               pytest.param(WORLD_SIZE, marks=pytest.mark.multigpu)]
 
 
 def _cpu_plan(plan):
@@ -202,6 +204,7 @@ def _through_flashinfer_api(a2a, plan, x, recv, out, to_flashinfer_info) -> None
     assert_close(combined, out)
 
 
+@pytest.mark.multigpu
 def test_every_backend_combination_agrees():
     run_distributed(WORLD_SIZE, _combinations_body, cuda=True)
 
@@ -226,6 +229,7 @@ def _to(plan, device):
     return dataclasses.replace(plan, **{n: t.to(device) for n, t in plan.tensors().items()})
 
 
+@pytest.mark.multigpu
 def test_triton_plan_is_bit_identical_over_100_runs():
     run_distributed(WORLD_SIZE, _determinism_body, cuda=True)
 
@@ -270,6 +274,7 @@ def _reinit_body(rank: int, world_size: int) -> None:
     assert len(MnnvlMemory.allocated_map) == 0
 
 
+@pytest.mark.multigpu
 def test_init_close_reinit_20_times():
     run_distributed(WORLD_SIZE, _reinit_body, cuda=True)
 
@@ -301,6 +306,7 @@ def _limits_body(rank: int, world_size: int) -> None:
             a2a.prepare(ids.cpu(), weights.cpu())
 
 
+@pytest.mark.multigpu
 def test_flashinfer_limits_and_bad_ids_raise_everywhere():
     run_distributed(WORLD_SIZE, _limits_body, cuda=True)
 
@@ -350,37 +356,58 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
     torch_ref.close()
 
 
-def test_triton_transport_soak():
-    run_distributed(WORLD_SIZE, _triton_transport_soak_body, cuda=True)
+@pytest.mark.parametrize("world_size", RANK_COUNTS)
+def test_triton_transport_soak(world_size):
+    run_distributed(world_size, _triton_transport_soak_body, cuda=True)
+
+
+GRAPH_REPLAYS = 100
 
 
 def _triton_transport_graph_body(rank: int, world_size: int) -> None:
+    """prepare + dispatch + combine captured in one CUDA graph, replayed GRAPH_REPLAYS times
+    with fresh routing and tokens copied into the captured inputs; every replay's plan,
+    received rows and combine equal the torch prepare and transport on the same routing."""
     device = torch.device(torch.accelerator.current_accelerator().type, rank)
+    tokens = TOKENS[rank % len(TOKENS)]
     with MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
                      backends={"prepare": "triton", "transport": "triton"}) as a2a, \
             MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
                         backends={"prepare": "torch", "transport": "torch"}) as torch_ref:
-        ids, weights = make_routing(rank, TOKENS[rank], NUM_EXPERTS, TOP_K, seed=21)
-        plan = a2a.prepare(ids.to(device), weights.to(device))
-        x = torch.zeros(TOKENS[rank], HIDDEN, dtype=torch.bfloat16, device=device)
-        a2a.combine(local_experts(a2a.dispatch(x, plan), plan), plan)  # workspaces, compiles
+        ids, weights = (t.to(device) for t in make_routing(rank, tokens, NUM_EXPERTS, TOP_K,
+                                                           seed=21))
+        x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
+        plan = a2a.prepare(ids, weights)  # workspaces, compiles
+        a2a.combine(local_experts(a2a.dispatch(x, plan), plan), plan)
         torch.cuda.synchronize(device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            plan = a2a.prepare(ids, weights, check_inputs=False)
             recv = a2a.dispatch(x, plan)
             out = a2a.combine(local_experts(recv, plan), plan)
         generator = torch.Generator().manual_seed(rank)
-        for replay in range(10):  # each replay is a new call on both ranks (device counters)
-            x.copy_(torch.randn(TOKENS[rank], HIDDEN, generator=generator).to(torch.bfloat16))
+        for replay in range(GRAPH_REPLAYS):  # each replay is a new call on every rank
+            fresh_ids, fresh_weights = make_routing(rank, tokens, NUM_EXPERTS, TOP_K,
+                                                    seed=1000 + replay, hot_rank=replay % 3 - 1,
+                                                    padding=replay % 2 == 1)
+            ids.copy_(fresh_ids)
+            weights.copy_(fresh_weights)
+            x.copy_(torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16))
             graph.replay()
             torch.cuda.synchronize(device)
-            want = torch_ref.dispatch(x, plan)
+            want_plan = torch_ref.prepare(ids, weights)
+            assert_plans_equal(plan, want_plan)
+            want = torch_ref.dispatch(x, want_plan)
             assert torch.equal(recv, want), replay
-            assert torch.equal(out, torch_ref.combine(local_experts(want, plan), plan)), replay
+            assert torch.equal(out, torch_ref.combine(local_experts(want, want_plan),
+                                                      want_plan)), replay
         a2a.check_transport()
 
 
-def test_triton_transport_in_a_cuda_graph():
-    run_distributed(WORLD_SIZE, _triton_transport_graph_body, cuda=True)
+@pytest.mark.parametrize("world_size", RANK_COUNTS)
+def test_triton_transport_in_a_cuda_graph(world_size):
+    """One rank (its rows all local copies, flags and counters still used) runs on a 1-GPU
+    host; WORLD_SIZE ranks need as many GPUs."""
+    run_distributed(world_size, _triton_transport_graph_body, cuda=True)
