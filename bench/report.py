@@ -281,11 +281,14 @@ def format_headline(results: list[dict]) -> str:
 
 def update_readme(readme_path: str, result_paths: list[str]) -> None:
     """Replace the README's headline section (between ``README_START`` and ``README_END``)
-    with ``format_headline`` of the given result JSON files."""
+    with ``format_headline`` of the given result JSON files, their measured rows judged
+    against the current targets (``bench.targets``)."""
+    from bench.targets import judge_targets
     results = []
     for path in result_paths:
         with open(path) as f:
             results.append(json.load(f))
+        judge_targets(results[-1]["records"])
     with open(readme_path) as f:
         text = f.read()
     if README_START not in text or README_END not in text:

@@ -45,6 +45,8 @@ _BIG = dict(tokens=8192, hidden=7168)
 TARGETS = (
     Target("quantize", dict(op="nvfp4_linear", **_BIG), "max_us", 40.0,
            "NVFP4 [8192,7168] <= 40 us"),
+    Target("quantize", dict(op="nvfp4_swizzled", **_BIG), "max_us", 40.0,
+           "NVFP4 [8192,7168] swizzled scales <= 40 us"),
     Target("quantize", dict(op="nvfp4_linear", tokens=128, hidden=7168), "max_us", 6.0,
            "NVFP4 [128,7168] <= 6 us"),
     Target("quantize", dict(op="mxfp8", **_BIG), "min_gbps", 3600.0,

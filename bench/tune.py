@@ -80,9 +80,9 @@ def _quantize_cases(device) -> list[Case]:
         dict(NVFP4_MAX_BLOCKS=64, NVFP4_STEPS=steps, NVFP4_TILE_ELEMENTS=tile,
              NVFP4_NUM_WARPS=warps, NVFP4_PREFETCH=prefetch, NVFP4_MAXNREG=maxnreg)
         for tile, warps, prefetch, maxnreg, steps in (
-            (2048, 4, 2, None, 8), (2048, 4, 1, None, 8), (2048, 4, 2, None, 4),
-            (2048, 4, 1, None, 1), (1024, 2, 2, None, 8), (4096, 8, 2, None, 8),
-            (2048, 4, 2, 48, 8))]
+            (2048, 4, 2, None, 8), (2048, 4, 1, None, 8), (2048, 4, 3, None, 8),
+            (2048, 4, 3, 64, 8), (1024, 2, 2, None, 8), (1024, 2, 3, None, 8),
+            (4096, 8, 2, None, 8), (4096, 8, 3, None, 8), (2048, 4, 2, None, 4))]
     # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
     amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
                             AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])

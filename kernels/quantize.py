@@ -67,7 +67,7 @@ NVFP4_TILE_ELEMENTS = 2048
 NVFP4_MAX_BLOCKS = 64  # 64 NVFP4 blocks = 1024 columns = 2 KiB of bf16 per row
 NVFP4_NUM_WARPS = 4
 NVFP4_STEPS = 8  # tiles per program along its rows (unrolled)
-NVFP4_PREFETCH = 2  # a program loads the tile this many steps ahead (1 or 2)
+NVFP4_PREFETCH = 3  # a program loads the tile this many steps ahead (1, 2 or 3)
 NVFP4_MAXNREG = None  # a register cap for the NVFP4 kernel (more warps per SM), or None
 TILE_ELEMENTS = 4096
 MAX_BLOCKS_PER_PROGRAM = 32
@@ -436,7 +436,7 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                            BLOCKS: tl.constexpr, STEPS: tl.constexpr,
                            PREFETCH: tl.constexpr):
     """A program quantizes rows [row_start, +BLOCK_ROWS) over STEPS consecutive tiles of
-    BLOCKS scale blocks (unrolled), loading the tile PREFETCH (1 or 2) steps ahead before
+    BLOCKS scale blocks (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before
     working on the current one, so a thread has loads in flight while it computes."""
     row_start = tl.program_id(0) * BLOCK_ROWS
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
@@ -449,9 +449,13 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
     scale_ptrs = scales_ptr + _scale_row_offsets(rows, padded_blocks, LAYOUT)
     global_scale = tl.load(global_scale_ptr)
     # A block of 16 elements is 8 words, read as two halves of 4 (``_load_halves``).
+    # cur: this step's tile; ahead / ahead2: the next two (PREFETCH 2 / 3); new: the tile
+    # PREFETCH steps ahead, loaded before this step's work
     cur = _load_halves(in_ptrs, row_ok, block_start, num_blocks, BLOCKS)
     if PREFETCH > 1 and STEPS > 1:
         ahead = _load_halves(in_ptrs, row_ok, block_start + BLOCKS, num_blocks, BLOCKS)
+    if PREFETCH > 2 and STEPS > 2:
+        ahead2 = _load_halves(in_ptrs, row_ok, block_start + 2 * BLOCKS, num_blocks, BLOCKS)
     for step in tl.static_range(STEPS):  # unrolled: no loop-carried register moves
         if step + PREFETCH < STEPS:  # the tile PREFETCH steps ahead, in flight meanwhile
             new = _load_halves(in_ptrs, row_ok, block_start + (step + PREFETCH) * BLOCKS,
@@ -460,12 +464,18 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                     block_start + step * BLOCKS, num_rows, num_blocks, padded_rows,
                     padded_blocks, IN_KIND, LAYOUT, FAST_MATH, WORD_ASM, BLOCK_ROWS, BLOCKS)
         if step + 1 < STEPS:
-            if PREFETCH > 1:
+            if PREFETCH == 1:
+                cur = new
+            elif PREFETCH == 2:
                 cur = ahead
-                if step + PREFETCH < STEPS:
+                if step + 2 < STEPS:
                     ahead = new
             else:
-                cur = new
+                cur = ahead
+                if step + 2 < STEPS:
+                    ahead = ahead2
+                if step + 3 < STEPS:
+                    ahead2 = new
 
 
 @triton.jit

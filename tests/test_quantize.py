@@ -3,6 +3,7 @@ functions and FlashInfer adapters (GPU / Blackwell only)."""
 
 import pytest
 import torch
+import triton
 
 from a2a import quantize as A
 from a2a.backends import BackendUnavailable
@@ -367,14 +368,18 @@ def test_dequantize_keeps_negative_zero(device):
 
 
 @pytest.mark.parametrize("max_blocks,steps,prefetch",
-                         [(1, 2, 1), (2, 3, 2), (1, 8, 2), (1, 1, 2), (2, 3, 1)])
+                         [(1, 2, 1), (2, 3, 2), (1, 8, 2), (1, 1, 2), (2, 3, 1), (1, 8, 3),
+                          (2, 3, 3), (1, 4, 3)])
 def test_nvfp4_programs_walk_several_tiles(device, seed, monkeypatch, max_blocks, steps,
                                            prefetch):
-    """A program quantizes several column tiles in turn, loading 1 or 2 tiles ahead; an
-    uneven split leaves masked steps past the last block. Tiny tiles make that happen here."""
+    """A program quantizes several column tiles in turn, loading 1, 2 or 3 tiles ahead; an
+    uneven split leaves masked steps past the last block. Tiny tiles, and no minimum grid size
+    (0 stand-in SMs: the launch rule keeps all the steps), make that happen here."""
     for name, value in (("NVFP4_MAX_BLOCKS", max_blocks), ("NVFP4_STEPS", steps),
                         ("NVFP4_PREFETCH", prefetch)):
         monkeypatch.setattr(Q, name, value)
+    monkeypatch.setattr(Q, "_num_sms", lambda device: 0)
+    assert Q._steps(1, 7, device) == triton.cdiv(7, triton.cdiv(7, min(steps, 7)))
     x = _hard_input(37, 112, torch.bfloat16, device)  # 7 blocks per row
     gs = R.nvfp4_global_scale(x)
     rows = torch.tensor([36, 0, 5, 5, 17, 30, 2, 9, 11], dtype=torch.int32, device=device)
