@@ -117,8 +117,8 @@ def pick_sweep(args: argparse.Namespace, on_gpu: bool) -> Sweep:
 
 def deadline(args: argparse.Namespace, on_gpu: bool) -> Optional[float]:
     """``time.time()`` after which no shape starts (None: no limit)."""
-    budget = args.budget if args.budget is not None else (DEFAULT_GPU_BUDGET_S if on_gpu
-                                                           else 0)
+    default = DEFAULT_GPU_BUDGET_S if on_gpu else 0
+    budget = args.budget if args.budget is not None else default
     return time.time() + budget if budget > 0 else None
 
 
@@ -231,5 +231,3 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     records = run_bench(args, ctx)
     finish(args, records, ctx)
     return records
-
-

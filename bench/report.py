@@ -144,7 +144,9 @@ def format_markdown(records: list[dict], meta: dict, with_targets: bool = False)
               f" driver {meta['driver']}",
               f"- limits: {_limits_text(meta['limits'])}",
               "- time: median, p20-p80 in microseconds (timing method per row in the JSON: "
-              "cuda_graph replay only for paths declared free of host syncs (cuda_graph_l2_flushed: an L2 flush before each call, its time subtracted), else eager calls after an L2 flush); "
+              "cuda_graph replay only for paths declared free of host syncs "
+              "(cuda_graph_l2_flushed: an L2 flush before each call, its time subtracted), "
+              "else eager calls after an L2 flush); "
               "GB/s = effective bandwidth, the bytes formula of each stage (bench/stages.py, "
               "bench/transport.py) / time; % limit = ideal time at the measured limits / time, "
               "counting HBM bytes once (gather_rows reads each token row k times, mostly from "

@@ -655,8 +655,8 @@ def _permute_traffic(shape: dict, inputs=None) -> dict:
 
 PERMUTE = Stage(
     name="permute", keys=("tokens", "hidden", "experts", "top_k", "routing"),
-    variants=tuple({"op": op} for op in ("permute_by_expert", "gather_rows",
-                                          "unpermute_and_reduce")),
+    variants=tuple({"op": op}
+                   for op in ("permute_by_expert", "gather_rows", "unpermute_and_reduce")),
     extra=lambda: [dict(op=op, tokens=8192, hidden=7168, experts=256, top_k=8,
                         routing="uniform") for op in ("gather_rows", "unpermute_and_reduce")],
     build=_permute_build, paths=_permute_paths,

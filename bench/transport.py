@@ -202,10 +202,9 @@ def _dispatch_build(shape: dict, device: torch.device, ctx=None) -> dict:
         gs = torch.stack([scale(x) for x in inputs["xs"]]).min(dim=0).values
         rows = [quantize(x, gs, layout="linear") for x in inputs["xs"]]
         inputs["global_scale"] = gs
-        codes = load("kernels.reference", "simulate_dispatch")([r[0] for r in rows],
-                                                              inputs["plans"])
-        scales = load("kernels.reference", "simulate_dispatch")([r[1] for r in rows],
-                                                               inputs["plans"])
+        simulate = load("kernels.reference", "simulate_dispatch")
+        codes = simulate([r[0] for r in rows], inputs["plans"])
+        scales = simulate([r[1] for r in rows], inputs["plans"])
         inputs["expected"] = (codes[ctx.rank], scales[ctx.rank])
     else:
         inputs["expected"] = load("kernels.reference", "simulate_dispatch")(

@@ -800,8 +800,8 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """[M, H/2] bytes -> [M, H] codes; the inverse of ``_pack_nibbles``."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0],
-                                                                  packed.shape[1] * 2)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)
+    return codes.reshape(packed.shape[0], packed.shape[1] * 2)
 
 
 def _block_amax(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

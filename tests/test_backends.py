@@ -14,10 +14,12 @@ from a2a.backends import BackendUnavailable, parse_backends, resolve, why_unavai
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def test_parse_backends_reads_each_stage():
     assert parse_backends("prepare=flashinfer, quantize=triton") == {
         "prepare": "flashinfer", "quantize": "triton"}
     assert parse_backends("") == {}
+
 
 @pytest.mark.parametrize("spec, message", [
     ("prepare", "is not 'stage=backend'"),
@@ -28,9 +30,11 @@ def test_parse_backends_names_the_bad_part(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_backends(spec)
 
+
 def test_torch_backend_runs_everywhere():
     for stage in backends.STAGES:
         assert resolve(stage, "torch", CPU) == "torch"
+
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -40,6 +44,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve("permute", "triton", CPU) == "triton"
     assert resolve("permute", "auto", CPU) == "triton"
+
 
 @pytest.mark.parametrize("sm", [None, 9])
 def test_flashinfer_quantize_refuses_below_sm100(monkeypatch, sm):
@@ -54,17 +59,21 @@ def test_flashinfer_quantize_refuses_below_sm100(monkeypatch, sm):
     assert ("SM90" if sm else "no CUDA device") in message
     assert "Backends that can:" in message and "torch" in message
 
+
 def test_auto_never_picks_flashinfer_quantize_on_cpu():
     assert resolve("quantize", "auto", CPU) in ("triton", "torch")
 
+
 def test_flashinfer_has_no_standalone_permute():
     assert "no standalone" in why_unavailable("permute", "flashinfer", CPU)
+
 
 def test_unknown_names_are_rejected():
     with pytest.raises(ValueError, match="stage='shuffle'"):
         resolve("shuffle", "torch", CPU)
     with pytest.raises(ValueError, match="backend='cutlass'"):
         why_unavailable("prepare", "cutlass", CPU)
+
 
 def test_environment_default_is_read_once_and_applied(monkeypatch):
     code = ("from a2a.backends import default_backends, resolve;"
@@ -75,6 +84,7 @@ def test_environment_default_is_read_once_and_applied(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout.split()
     assert out == ["torch", "triton", "torch"]
+
 
 def test_import_needs_neither_gpu_nor_flashinfer():
     code = ("import sys, kernels.reference, a2a;"

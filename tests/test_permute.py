@@ -132,8 +132,8 @@ def test_permute_unchecked_skips_bad_ids(device, bad):
                                                                   **kwargs))
         assert_permutation_equal(got, reference.permute_by_expert(padded, 60, **kwargs))
         assert (got.inverse.view(-1, 8)[::7, 3] == UNUSED).all()
-        stage = a2a.permute.permute_by_expert(topk_ids, 60, check_ids=False,
-                                                backend="triton", **kwargs)
+        stage = a2a.permute.permute_by_expert(topk_ids, 60, check_ids=False, backend="triton",
+                                              **kwargs)
         assert_permutation_equal(stage, got)
 
 
@@ -301,7 +301,8 @@ compile_one(K._count_block_experts_kernel,
     dict(BLOCK_PAIRS=K.BLOCK_PAIRS, EXPERT_BINS=512), [0, 1, 2, 3], num_warps=4)
 compile_one(K._scan_blocks_kernel,
     dict(block_counts_ptr="*i32", block_starts_ptr="*i32", expert_counts_ptr="*i32",
-         block_id_range_ptr="*i32", id_range_ptr="*i32", num_blocks=i32, num_local_experts=i32, SCAN_BLOCKS="constexpr",
+         block_id_range_ptr="*i32", id_range_ptr="*i32", num_blocks=i32,
+         num_local_experts=i32, SCAN_BLOCKS="constexpr",
          EXPERT_CHUNK="constexpr"),
     dict(SCAN_BLOCKS=K.SCAN_BLOCKS, EXPERT_CHUNK=K.EXPERT_CHUNK), [0, 1, 2, 3, 4],
     num_warps=4)

@@ -112,7 +112,8 @@ def test_mx_scales_by_hand():
     x[0, 0], x[0, 32] = 448.0, 449.0
     values, sf = R.quantize_mxfp8(x)
     assert sf.tolist() == [[127, 128]]
-    assert values.view(torch.uint8)[0, 0] == 0x7E and values.view(torch.uint8)[0, 32] == 0x76  # 224.5 -> 224
+    # 224.5 -> 224
+    assert values.view(torch.uint8)[0, 0] == 0x7E and values.view(torch.uint8)[0, 32] == 0x76
     # MXFP4: amax 6 -> code 127 (scale 1); amax 6.5 -> code 128 (scale 1/2): 6.5/2 = 3.25 -> 3
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 32] = 6.0, 6.5
