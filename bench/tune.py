@@ -83,6 +83,8 @@ def _quantize_cases(device) -> list[Case]:
             (2048, 4, 2, None, 8), (2048, 4, 1, None, 8), (2048, 4, 3, None, 8),
             (2048, 4, 3, 64, 8), (1024, 2, 2, None, 8), (1024, 2, 3, None, 8),
             (4096, 8, 2, None, 8), (4096, 8, 3, None, 8), (2048, 4, 2, None, 4))]
+    # swizzled_128x4: tiles of G rows from each 32-row group (whole 32-byte scale pieces)
+    row_groups = [dict(NVFP4_ROW_GROUP=group) for group in (1, 2, 4)]
     # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
     amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
                             AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])
@@ -106,7 +108,8 @@ def _quantize_cases(device) -> list[Case]:
                 with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
                                                                               layout=layout)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
-                nvfp4_tiles, others=floors if layout == "linear" else {}))
+                nvfp4_tiles + (row_groups if layout == "swizzled_128x4" else []),
+                others=floors if layout == "linear" else {}))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
                               with_knobs(lambda x=x: Q.quantize_mxfp8(x)),

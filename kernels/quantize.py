@@ -34,7 +34,8 @@ quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks, about NVFP4_
 (NVFP4) or TILE_ELEMENTS (MX, dequantize) elements with up to NVFP4_NUM_WARPS / NUM_WARPS warps
 (one scale block per thread at most), smaller for small M (``_tile``); an NVFP4 program then
 walks up to NVFP4_STEPS tiles along its rows, loading NVFP4_PREFETCH tiles ahead (``_steps``).
-The grid covers rows x blocks, padded to the swizzled tile so that the same programs write
+NVFP4_ROW_GROUP > 0 (swizzled_128x4 only; off by default, a ``bench.tune`` variant) takes a
+tile's rows from the 4 row groups of a 128-row block instead (``_tile_rows``). The grid covers rows x blocks, padded to the swizzled tile so that the same programs write
 the zero padding of the scales.
 """
 
@@ -68,6 +69,7 @@ NVFP4_MAX_BLOCKS = 64  # 64 NVFP4 blocks = 1024 columns = 2 KiB of bf16 per row
 NVFP4_NUM_WARPS = 4
 NVFP4_STEPS = 8  # tiles per program along its rows (unrolled)
 NVFP4_PREFETCH = 3  # a program loads the tile this many steps ahead (1, 2 or 3)
+NVFP4_ROW_GROUP = 0  # swizzled_128x4: rows per 32-row group in a tile (0: plain row tiles)
 NVFP4_MAXNREG = None  # a register cap for the NVFP4 kernel (more warps per SM), or None
 TILE_ELEMENTS = 4096
 MAX_BLOCKS_PER_PROGRAM = 32
@@ -275,12 +277,10 @@ def _load_tile(x_ptr, row_start, col_start, num_rows, hidden, stride_row, stride
 
 
 @triton.jit
-def _source_rows(rows_ptr, row_start, num_rows, num_src_rows, HAS_ROWS: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr):
-    """(int64 rows of x to read, their mask) for output rows [row_start, +BLOCK_ROWS): the rows
-    themselves, or gathered through rows_ptr when HAS_ROWS (an id outside [0, num_src_rows)
-    is masked, i.e. reads as a zero row)."""
-    rows = row_start + tl.arange(0, BLOCK_ROWS)
+def _source_rows(rows_ptr, rows, num_rows, num_src_rows, HAS_ROWS: tl.constexpr):
+    """(int64 rows of x to read, their mask) for output rows ``rows``: the rows themselves, or
+    gathered through rows_ptr when HAS_ROWS (an id outside [0, num_src_rows) is masked, i.e.
+    reads as a zero row)."""
     row_ok = rows < num_rows
     if HAS_ROWS:
         src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -434,17 +434,20 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                            LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                            WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                            BLOCKS: tl.constexpr, STEPS: tl.constexpr,
-                           PREFETCH: tl.constexpr):
-    """A program quantizes rows [row_start, +BLOCK_ROWS) over STEPS consecutive tiles of
-    BLOCKS scale blocks (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before
-    working on the current one, so a thread has loads in flight while it computes."""
-    row_start = tl.program_id(0) * BLOCK_ROWS
+                           PREFETCH: tl.constexpr, ROW_GROUP: tl.constexpr = 0):
+    """A program quantizes BLOCK_ROWS rows over STEPS consecutive tiles of BLOCKS scale blocks
+    (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before working on the
+    current one, so a thread has loads in flight while it computes.
+
+    Its rows: [row_start, +BLOCK_ROWS), or with ROW_GROUP = G > 0 (swizzled_128x4 only,
+    BLOCK_ROWS = 4G): G consecutive rows in each of the 4 groups of 32 rows of a 128-row block,
+    the rows whose scales share 32-byte pieces of the layout, so that the program writes them
+    whole (``_tile_rows``)."""
+    rows = _tile_rows(tl.program_id(0), BLOCK_ROWS, ROW_GROUP)
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
     num_blocks = hidden // 16
-    src, row_ok = _source_rows(rows_ptr, row_start, num_rows, num_src_rows, HAS_ROWS,
-                               BLOCK_ROWS)
+    src, row_ok = _source_rows(rows_ptr, rows, num_rows, num_src_rows, HAS_ROWS)
     in_ptrs = words_ptr + src * stride_row
-    rows = row_start + tl.arange(0, BLOCK_ROWS)
     out_ptrs = out_ptr + rows.to(tl.int64) * (hidden // 2)
     scale_ptrs = scales_ptr + _scale_row_offsets(rows, padded_blocks, LAYOUT)
     global_scale = tl.load(global_scale_ptr)
@@ -476,6 +479,22 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                     ahead = ahead2
                 if step + 3 < STEPS:
                     ahead2 = new
+
+
+@triton.jit
+def _tile_rows(tile, BLOCK_ROWS: tl.constexpr, ROW_GROUP: tl.constexpr):
+    """Rows of row tile ``tile``: [tile * BLOCK_ROWS, +BLOCK_ROWS), or (ROW_GROUP = G > 0,
+    BLOCK_ROWS = 4G) rows 128b + 32g + Gj + e (g < 4, e < G) of tile 32/G * b + j. In
+    swizzled_128x4 the scales of rows 128b + 32g + r sit at byte 16r + 4g (+ the block's
+    column) of each 512-byte piece, so G = 2 covers 32 contiguous bytes per 4 blocks."""
+    lanes = tl.arange(0, BLOCK_ROWS)
+    if ROW_GROUP == 0:
+        rows = tile * BLOCK_ROWS + lanes
+    else:
+        tiles_per_block: tl.constexpr = 32 // ROW_GROUP
+        rows = ((tile // tiles_per_block) * 128 + (lanes // ROW_GROUP) * 32
+                + (tile % tiles_per_block) * ROW_GROUP + lanes % ROW_GROUP)
+    return rows
 
 
 @triton.jit
@@ -584,10 +603,10 @@ def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride
     """FP4: out is [M, H/2] uint8 (byte i = elements 2i, 2i + 1); else out is [M, H/2] uint16
     (the e4m3 bytes of elements 2i, 2i + 1, little-endian). WORD_ASM: bf16/fp16 on a GPU,
     the block amax reduced on the packed pairs (``_words_amax``)."""
-    row_start = tl.program_id(0) * BLOCK_ROWS
+    rows = _tile_rows(tl.program_id(0), BLOCK_ROWS, 0)
     block_start = tl.program_id(1) * BLOCKS
     num_blocks = hidden // 32
-    src, row_ok = _source_rows(words_ptr, row_start, num_rows, num_rows, False, BLOCK_ROWS)
+    src, row_ok = _source_rows(words_ptr, rows, num_rows, num_rows, False)
     # A block of 32 elements is 16 words, read as two halves of 8.
     in_ptrs = words_ptr + src * stride_row
     w0, words0 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 16, 8)
@@ -614,7 +633,6 @@ def _mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride
         y2, y3 = _nan_to_e4m3_max(y2, HARDWARE_E4M3), _nan_to_e4m3_max(y3, HARDWARE_E4M3)
         pairs0 = _e4m3_pairs(y0, y1, HARDWARE_E4M3)
         pairs1 = _e4m3_pairs(y2, y3, HARDWARE_E4M3)
-    rows = row_start + tl.arange(0, BLOCK_ROWS)
     out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * (hidden // 2)
     tl.store(out_rows + words0, pairs0, mask=row_ok[:, None, None] & (words0 < hidden // 2))
     tl.store(out_rows + words1, pairs1, mask=row_ok[:, None, None] & (words1 < hidden // 2))
@@ -772,6 +790,18 @@ def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
     return block_rows, blocks, warps
 
 
+def _grouped_tile(num_blocks: int, row_group: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCKS, num_warps) of NVFP4 tiles of ``row_group`` rows in each of the 4
+    row groups of a swizzled_128x4 block (``_tile_rows``): the NVFP4 tile constants, the rows
+    fixed at 4 * row_group (rows are padded to 128 there, so the grid stays large)."""
+    if row_group not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"NVFP4_ROW_GROUP={row_group} must be 0 or a power of 2 up to 32")
+    block_rows = 4 * row_group
+    blocks = max(1, min(NVFP4_MAX_BLOCKS, triton.next_power_of_2(max(num_blocks, 1)),
+                        NVFP4_TILE_ELEMENTS // (NVFP4_BLOCK * block_rows)))
+    return block_rows, blocks, max(1, min(NVFP4_NUM_WARPS, block_rows * blocks // 32))
+
+
 def _register_cap(maxnreg: Optional[int]) -> dict:
     """Launch options capping the registers per thread (ignored by the interpreter)."""
     return {} if maxnreg is None or _interpreting() else {"maxnreg": maxnreg}
@@ -881,8 +911,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     out = _check_out("out", out, (num_rows, hidden // 2), torch.uint8, x.device)
     out_scales = _check_out("out_scales", out_scales, (padded_rows, padded_blocks), torch.uint8,
                             x.device)
-    block_rows, blocks, warps = _tile(padded_rows, padded_blocks, NVFP4_BLOCK, x.device,
-                                      nvfp4=True)
+    row_group = NVFP4_ROW_GROUP if layout == "swizzled_128x4" else 0
+    block_rows, blocks, warps = (_grouped_tile(padded_blocks, row_group) if row_group else
+                                 _tile(padded_rows, padded_blocks, NVFP4_BLOCK, x.device,
+                                       nvfp4=True))
     row_tiles, col_tiles = triton.cdiv(padded_rows, block_rows), triton.cdiv(padded_blocks,
                                                                              blocks)
     steps = _steps(row_tiles, col_tiles, x.device)
@@ -895,8 +927,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
         HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
         FAST_MATH=fast_math, WORD_ASM=_word_asm(x.device, in_kind, fast_math, stride_row),
-        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps,
-        PREFETCH=min(NVFP4_PREFETCH, steps), num_warps=warps, **_register_cap(NVFP4_MAXNREG),
+        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, PREFETCH=min(NVFP4_PREFETCH, steps),
+        ROW_GROUP=row_group, num_warps=warps, **_register_cap(NVFP4_MAXNREG),
         enable_fp_fusion=False)
     return out, out_scales
 
