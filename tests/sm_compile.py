@@ -1,0 +1,151 @@
+"""Compile every Triton kernel of the library for a GPU architecture, on any machine.
+
+``python -m tests.sm_compile --arch 90`` (or 100) runs the public launchers on CPU tensors with
+``JITFunction.run`` replaced by a compile-only stand-in: each launch is bound and specialized
+as Triton would for a GPU, then compiled for ``cuda:<arch>`` down to a cubin (Triton's bundled
+LLVM and ptxas; no GPU or driver needed) and not run. It prints one line per distinct kernel
+variant. The interpreter (what CPU-only CI runs otherwise) never compiles a kernel, so this is
+what catches code that runs there but does not build for a GPU: compile-time constexpr logic,
+inline PTX, layouts. GPU-only paths are forced on where the launcher would pick them only for
+a CUDA tensor (the NVFP4 word-level PTX path); ``fast_math=True`` needs a CUDA tensor and is
+not covered here.
+
+Must run without ``TRITON_INTERPRET`` (``tests/test_sm_compile.py`` starts it that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("tests.sm_compile compiles kernels: run it without TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+
+def install_compile_only(arch: int) -> list[str]:
+    """Replace JITFunction.run: compile each distinct launch for ``cuda:<arch>``, launch
+    nothing. Returns the list the compiled variants' descriptions are appended to."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binders: dict = {}
+    seen: set = set()
+    compiled: list[str] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        if self not in binders:
+            binders[self] = create_function_from_signature(self.signature, self.params,
+                                                           backend)
+        bound_args, specialization, options = binders[self](*args, **kwargs)
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
+                                                                specialization, options)
+        key = (self.__name__, repr(sorted(signature.items())),
+               repr(sorted(constexprs.items())), repr(sorted(attrs.items())),
+               repr(sorted(options.__dict__.items())))
+        if key in seen:
+            return None
+        seen.add(key)
+        start = time.time()
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                options=options.__dict__)
+        values = {self.params[path[0]].name: value for path, value in constexprs.items()
+                  if len(path) == 1}
+        compiled.append(f"{self.__name__} sm_{arch} {len(kernel.asm['cubin'])} B cubin "
+                        f"{time.time() - start:.1f} s {values}")
+        print(compiled[-1], flush=True)
+        return None
+
+    JITFunction.run = run
+    return compiled
+
+
+def launch_everything() -> None:
+    """Call every public launcher (and the transport/prepare warm-ups) on CPU tensors."""
+    from a2a import triton_prepare, triton_transport
+    from bench import floor
+    from kernels import permute, quantize as Q, reference as R, routing
+    from kernels.types import AlltoallPlan
+
+    cuda = torch.device("cuda")  # the launch choices a CUDA tensor would get
+    word_asm, hardware_e4m3 = Q._word_asm, Q._hardware_e4m3
+    Q._word_asm = lambda device, *args, **kwargs: word_asm(cuda, *args, **kwargs)
+    Q._hardware_e4m3 = lambda device: hardware_e4m3(cuda)
+    gs = torch.ones(1)
+    for rows, hidden in ((8192, 7168), (128, 7168), (7, 48)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.empty(rows, hidden, dtype=dtype)
+            for layout in R.SCALE_LAYOUTS:
+                Q.quantize_nvfp4(x, gs, layout=layout)
+            Q.nvfp4_global_scale(x)
+            if hidden % 32 == 0:
+                Q.quantize_mxfp8(x)
+                Q.quantize_mxfp4(x)
+        x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        Q.quantize_nvfp4(x, gs, rows=torch.zeros(5, dtype=torch.int32))
+        packed, scales = (torch.zeros(rows, hidden // 2, dtype=torch.uint8),
+                          torch.zeros(R.swizzled_scale_shape(rows, hidden // 16,
+                                                             "swizzled_128x4"),
+                                      dtype=torch.uint8))
+        Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4")
+    saved = Q.NVFP4_ROW_GROUP
+    Q.NVFP4_ROW_GROUP = 2
+    Q.quantize_nvfp4(torch.empty(8192, 7168, dtype=torch.bfloat16), gs,
+                     layout="swizzled_128x4")
+    Q.NVFP4_ROW_GROUP = saved
+    floor.nvfp4_traffic(torch.empty(256, 7168, dtype=torch.bfloat16))  # (its ASM=False form)
+    for layout in R.SCALE_LAYOUTS[1:]:
+        swizzled = Q.swizzle_scales(torch.zeros(300, 448, dtype=torch.uint8), layout)
+        Q.unswizzle_scales(swizzled, layout, 300, 448)
+    from bench import timing
+    words = torch.zeros(1024, dtype=torch.int32)
+    timing._peer_store_kernel()[(timing.PEER_STORE_CTAS,)](words, words, words.numel(),
+                                                           BLOCK=timing.PEER_STORE_BLOCK)
+
+    logits = torch.zeros(64, 256)
+    routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,
+                       topk_groups=4, routed_scaling=2.5)
+    routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk")
+    ids = torch.zeros(64, 8, dtype=torch.int32)
+    perm = permute.permute_by_expert(ids, 256, check_ids=False)
+    permute.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm.source_rows,
+                        top_k=8)
+    permute.unpermute_and_reduce(torch.zeros(512, 7168, dtype=torch.bfloat16), perm,
+                                 torch.zeros(64, 8))
+
+    cpu = torch.device("cpu")
+    triton_prepare.warmup(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64, top_k=8)
+    triton_transport.warmup(cpu, ep_size=2, max_tokens_per_rank=64, row_bytes=7168 * 2,
+                            top_k=8)
+    counts = torch.zeros(2, dtype=torch.int32)
+    unused = torch.zeros(128, dtype=torch.int32)
+    plan = AlltoallPlan(counts, unused, unused, counts, unused,
+                        torch.zeros(128, 8, dtype=torch.int32), torch.zeros(128, 8), None,
+                        ep_rank=0, ep_size=2, max_tokens_per_rank=64, num_tokens=64, top_k=8,
+                        slot_count=32)
+    row_bytes = triton_transport.nvfp4_row_bytes(7168)
+    words = triton_transport.transport_workspace_bytes(2, 64, row_bytes) // 8
+    triton_transport.triton_dispatch_nvfp4(
+        torch.zeros(64, 7168, dtype=torch.bfloat16), gs, plan,
+        torch.zeros(2, words, dtype=torch.int64), call_counter=torch.zeros(1, dtype=torch.int64),
+        check=False, timeout_spins=0)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
+    args = parser.parse_args(argv)
+    compiled = install_compile_only(args.arch)
+    launch_everything()
+    print(f"compiled {len(compiled)} kernel variants for sm_{args.arch}")
+
+
+if __name__ == "__main__":
+    main()
