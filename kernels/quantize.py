@@ -35,8 +35,9 @@ quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks, about NVFP4_
 (one scale block per thread at most), smaller for small M (``_tile``); an NVFP4 program then
 walks up to NVFP4_STEPS tiles along its rows, loading NVFP4_PREFETCH tiles ahead (``_steps``).
 NVFP4_ROW_GROUP > 0 (swizzled_128x4 only; off by default, a ``bench.tune`` variant) takes a
-tile's rows from the 4 row groups of a 128-row block instead (``_tile_rows``). The grid covers rows x blocks, padded to the swizzled tile so that the same programs write
-the zero padding of the scales.
+tile's rows from the 4 row groups of a 128-row block instead (``_tile_rows``). The grid covers
+rows x blocks, padded to the swizzled tile so that the same programs write the zero padding of
+the scales.
 """
 
 from __future__ import annotations
@@ -759,6 +760,11 @@ def _hardware_e4m3(device: torch.device) -> bool:
     return _HARDWARE_E4M3 and device.type == "cuda" and not _interpreting()
 
 
+def _can_run_ptx(device: torch.device) -> bool:
+    """Whether kernels on ``device`` run compiled (inline PTX works), not interpreted."""
+    return device.type == "cuda" and not _interpreting()
+
+
 def _word_asm(device: torch.device, in_kind: int, fast_math: bool,
               stride_row: Optional[int] = None) -> bool:
     """Whether a kernel takes the word-level PTX path: bf16/fp16 input (IN_KIND 0/1), the IEEE
@@ -897,7 +903,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     _check_quant_input(x, NVFP4_BLOCK)
     _check_layout(layout)
     _check_global_scale(global_scale, x.device)
-    if fast_math and (x.device.type != "cuda" or _interpreting()):
+    if fast_math and not _can_run_ptx(x.device):
         raise NotImplementedError(
             "fast_math=True needs the GPU instruction rcp.approx.ftz.f32 (inline PTX), which "
             "Triton's interpreter cannot run; use fast_math=False, or a CUDA tensor")

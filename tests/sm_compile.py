@@ -7,8 +7,7 @@ LLVM and ptxas; no GPU or driver needed) and not run. It prints one line per dis
 variant. The interpreter (what CPU-only CI runs otherwise) never compiles a kernel, so this is
 what catches code that runs there but does not build for a GPU: compile-time constexpr logic,
 inline PTX, layouts. GPU-only paths are forced on where the launcher would pick them only for
-a CUDA tensor (the NVFP4 word-level PTX path); ``fast_math=True`` needs a CUDA tensor and is
-not covered here.
+a CUDA tensor (the NVFP4 word-level PTX path, the hardware e4m3 conversion, fast math).
 
 Must run without ``TRITON_INTERPRET`` (``tests/test_sm_compile.py`` starts it that way).
 """
@@ -78,12 +77,14 @@ def launch_everything() -> None:
     word_asm, hardware_e4m3 = Q._word_asm, Q._hardware_e4m3
     Q._word_asm = lambda device, *args, **kwargs: word_asm(cuda, *args, **kwargs)
     Q._hardware_e4m3 = lambda device: hardware_e4m3(cuda)
+    Q._can_run_ptx = lambda device: True
     gs = torch.ones(1)
     for rows, hidden in ((8192, 7168), (128, 7168), (7, 48)):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = torch.empty(rows, hidden, dtype=dtype)
             for layout in R.SCALE_LAYOUTS:
                 Q.quantize_nvfp4(x, gs, layout=layout)
+                Q.quantize_nvfp4(x, gs, layout=layout, fast_math=True)
             Q.nvfp4_global_scale(x)
             if hidden % 32 == 0:
                 Q.quantize_mxfp8(x)
