@@ -20,7 +20,10 @@ then splits the slots into the two outputs (``SPLIT_WORDS``).
 
 Both sides split a segment of ``count`` rows into the same C chunks of ``ceil(count / C)`` rows
 (the sender's count for q equals q's receive count from the sender: the plan says so), so a
-receiving program needs just one flag. The local segment (q = me) takes the same path.
+receiving program needs just one flag. The local segment (q = me) of ``triton_dispatch_rows``
+and ``triton_combine_rows`` skips the inbox: the send kernel stores it straight into its output
+rows (LOCAL_DIRECT; the receive kernel runs after it on the stream and leaves that segment
+alone), one copy instead of two; the quantizing send and the fused combine keep the inbox path.
 
 dispatch: send = (send_rank_count_cumsum, send_rank_local_indices), recv =
 (recv_rank_count_cumsum, recv_rank_local_indices = identity); output rows past total_recv are
@@ -163,25 +166,39 @@ def _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["ep_rank", "max_rows"])
 def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, counter_ptr,
-                 ep_rank, max_rows, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                 ep_rank, max_rows, out_ptr, recv_cumsum_ptr, recv_indices_ptr,
+                 FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                  MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 BLOCK_WORDS: tl.constexpr):
+                 BLOCK_WORDS: tl.constexpr, LOCAL_DIRECT: tl.constexpr):
+    """LOCAL_DIRECT: the local segment (peer == ep_rank) goes straight to its output rows
+    (``recv_indices[recv start of ep_rank + i]`` of out_ptr), not through our own inbox."""
     peer = tl.program_id(0)  # destination
     chunk = tl.program_id(1)
     call = tl.load(counter_ptr)
     rows32 = rows_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    area = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS,
+    dest = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS,
                    ROW_WORDS * 4).to(tl.pointer_type(tl.int32), bitcast=True)
+    local = False
+    recv_start = 0
+    if LOCAL_DIRECT:
+        local = peer == ep_rank
+        recv_start = _segment(recv_cumsum_ptr, peer)[0]  # used where local
+        if local:
+            dest = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
     seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, tl.num_programs(1))
     for row0 in range(begin, end, BLOCK_ROWS):
         rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
+        target = rows.to(tl.int64)
+        if LOCAL_DIRECT:
+            placed = tl.load(recv_indices_ptr + recv_start + rows, mask=row_ok & local,
+                             other=0).to(tl.int64)
+            target = tl.where(local, placed, target)
         for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
             words = word0 + tl.arange(0, BLOCK_WORDS)
             ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
             values = tl.load(rows32 + source[:, None] * ROW_WORDS + words[None, :], mask=ok)
-            tl.store(area + rows.to(tl.int64)[:, None] * ROW_WORDS + words[None, :], values,
-                     mask=ok)
+            tl.store(dest + target[:, None] * ROW_WORDS + words[None, :], values, mask=ok)
     _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
 
 
@@ -211,10 +228,12 @@ def _recv_kernel(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stri
                  timeout_spins, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                  MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  BLOCK_WORDS: tl.constexpr, ZERO_TAIL: tl.constexpr,
-                 SPLIT_WORDS: tl.constexpr = 0, OUT2_WORDS: tl.constexpr = 0):
+                 SPLIT_WORDS: tl.constexpr = 0, OUT2_WORDS: tl.constexpr = 0,
+                 LOCAL_DIRECT: tl.constexpr = False):
     """SPLIT_WORDS > 0: words [0, SPLIT_WORDS) of each row go to ``out_ptr`` (rows of
     SPLIT_WORDS words), words [SPLIT_WORDS, +OUT2_WORDS) to ``out2_ptr`` (rows of OUT2_WORDS
-    words), the rest of the row (padding) nowhere."""
+    words), the rest of the row (padding) nowhere. LOCAL_DIRECT: the send kernel (earlier on
+    this stream) stored our own segment in place; its programs only take part in the call."""
     peer = tl.program_id(0)  # source
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -242,6 +261,8 @@ def _recv_kernel(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stri
     area = (ws32 + my_row * 2 + FLAG_WORDS
             + ((peer * 2 + parity) * max_rows).to(tl.int64) * ROW_WORDS)
     seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, num_chunks)
+    if LOCAL_DIRECT:
+        end = tl.where(peer == ep_rank, begin, end)
     for row0 in range(begin, end, BLOCK_ROWS):
         rows, row_ok, target = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
@@ -473,18 +494,24 @@ def _check_state(plan: AlltoallPlan, workspace: torch.Tensor, call_counter: torc
                              f"{status.numel()}")
 
 
-def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_programs):
-    """Launch the send kernel; returns (chunks, the copy-tile constants)."""
+def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_programs, *,
+          out=None, recv_cumsum=None, recv_indices=None):
+    """Launch the send kernel; returns (chunks, the copy-tile constants). With ``out`` (and
+    the receive side's cumsum and indices), the local segment is stored straight into its
+    output rows (LOCAL_DIRECT), else into our own inbox like the others."""
     ep_size = plan.ep_size
     row_words = rows.shape[1] // WORD_BYTES
     block_rows, block_words = _tile(row_words)
     chunks = transport_chunks(ep_size, max_programs)
     constants = dict(FLAG_WORDS=_flag_bytes(ep_size) // WORD_BYTES, ROW_WORDS=row_words,
                      MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
-                     num_warps=NUM_WARPS)
+                     LOCAL_DIRECT=out is not None, num_warps=NUM_WARPS)
+    # (out, its cumsum and indices) of the local segment; unused stand-ins without ``out``
+    local = ((out, recv_cumsum, recv_indices) if out is not None
+             else (rows, send_cumsum, send_indices))
     _send_kernel[(ep_size, chunks)](
         rows, send_cumsum, send_indices, workspace, workspace.stride(0), call_counter,
-        plan.ep_rank, plan.max_tokens_per_rank, **constants)
+        plan.ep_rank, plan.max_tokens_per_rank, *local, **constants)
     return chunks, constants
 
 
@@ -494,7 +521,8 @@ def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, p
     if status is None:
         status = torch.zeros(ep_size, dtype=torch.int64, device=rows.device)
     chunks, constants = _send(rows, send_cumsum, send_indices, plan, workspace, call_counter,
-                              max_programs)
+                              max_programs, out=out, recv_cumsum=recv_cumsum,
+                              recv_indices=recv_indices)
     num_out_rows = out.shape[0]
     _recv_kernel[(ep_size, chunks)](
         out, out, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter,
