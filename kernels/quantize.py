@@ -756,13 +756,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _hardware_e4m3(device: torch.device) -> bool:
-    return _HARDWARE_E4M3 and device.type == "cuda" and not _interpreting()
-
-
 def _can_run_ptx(device: torch.device) -> bool:
     """Whether kernels on ``device`` run compiled (inline PTX works), not interpreted."""
     return device.type == "cuda" and not _interpreting()
+
+
+def _hardware_e4m3(device: torch.device) -> bool:
+    return _HARDWARE_E4M3 and _can_run_ptx(device)
 
 
 def _word_asm(device: torch.device, in_kind: int, fast_math: bool,
@@ -773,8 +773,8 @@ def _word_asm(device: torch.device, in_kind: int, fast_math: bool,
     so that Triton knows every row is 16-byte aligned and gives each thread its block's 4
     words in a row; ``_e2m1_words`` takes one block's sign masks for its 4 words, which then
     is right (with fewer words per thread it could mix blocks)."""
-    return (_WORD_ASM and in_kind in (0, 1) and not fast_math and device.type == "cuda"
-            and not _interpreting() and (stride_row is None or stride_row % 16 == 0))
+    return (_WORD_ASM and in_kind in (0, 1) and not fast_math and _can_run_ptx(device)
+            and (stride_row is None or stride_row % 16 == 0))
 
 
 def _tile(num_rows: int, num_blocks: int, block: int, device: torch.device, *,
