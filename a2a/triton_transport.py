@@ -20,10 +20,11 @@ then splits the slots into the two outputs (``SPLIT_WORDS``).
 
 Both sides split a segment of ``count`` rows into the same C chunks of ``ceil(count / C)`` rows
 (the sender's count for q equals q's receive count from the sender: the plan says so), so a
-receiving program needs just one flag. The local segment (q = me) of ``triton_dispatch_rows``
-and ``triton_combine_rows`` skips the inbox: the send kernel stores it straight into its output
-rows (LOCAL_DIRECT; the receive kernel runs after it on the stream and leaves that segment
-alone), one copy instead of two; the quantizing send and the fused combine keep the inbox path.
+receiving program needs just one flag. The local segment (q = me) of ``triton_dispatch_rows``,
+``triton_combine_rows`` and ``triton_dispatch_nvfp4`` skips the inbox: the send kernel stores it
+straight into its output rows (LOCAL_DIRECT; the receive kernel runs after it on the stream and
+leaves that segment alone), one copy instead of two; the fused combine, which reduces straight
+from the inbox, keeps the inbox path.
 
 dispatch: send = (send_rank_count_cumsum, send_rank_local_indices), recv =
 (recv_rank_count_cumsum, recv_rank_local_indices = identity); output rows past total_recv are
@@ -308,7 +309,8 @@ def _store_row_words(out32, out2_ptr, target, words, values, ok, ROW_WORDS: tl.c
 
 @triton.jit(do_not_specialize=["ep_rank", "max_rows"])
 def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indices_ptr, ws_ptr,
-                       ws_row_stride, counter_ptr, ep_rank, max_rows, hidden,
+                       ws_row_stride, counter_ptr, ep_rank, max_rows, hidden, packed_ptr,
+                       scales_ptr, recv_cumsum_ptr, recv_indices_ptr,
                        FLAG_WORDS: tl.constexpr, ROW_BYTES: tl.constexpr,
                        MAX_CHUNKS: tl.constexpr, IN_KIND: tl.constexpr,
                        WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
@@ -317,11 +319,21 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
     chunk (``indices_ptr`` through the cumsum's segment q) from x, quantizes them to NVFP4 in
     registers (``kernels.quantize``'s tile code, IEEE recipe, linear scales) and stores each
     row's packed codes (H/2 bytes) and scales (H/16 bytes) into one ROW_BYTES slot of q's
-    inbox, then publishes the flag as ``_send_kernel`` does."""
+    inbox, then publishes the flag as ``_send_kernel`` does. The local segment (q = ep_rank)
+    goes straight to its rows of the outputs ``packed_ptr`` / ``scales_ptr`` (LOCAL_DIRECT of
+    ``_send_kernel``)."""
     peer = tl.program_id(0)  # destination
     chunk = tl.program_id(1)
     call = tl.load(counter_ptr)
-    area = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS, ROW_BYTES)
+    codes = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS, ROW_BYTES)
+    scale_bytes = codes + hidden // 2
+    local = peer == ep_rank
+    recv_start = _segment(recv_cumsum_ptr, peer)[0]  # used where local
+    if local:
+        codes = packed_ptr
+        scale_bytes = scales_ptr
+    code_stride = tl.where(local, hidden // 2, ROW_BYTES).to(tl.int64)
+    scale_stride = tl.where(local, hidden // 16, ROW_BYTES).to(tl.int64)
     global_scale = tl.load(global_scale_ptr)
     num_blocks = hidden // 16
 
@@ -329,12 +341,14 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
     for row0 in range(begin, end, BLOCK_ROWS):
         rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         in_ptrs = words_ptr + source * stride_row
-        out_ptrs = area + rows.to(tl.int64) * ROW_BYTES
+        placed = tl.load(recv_indices_ptr + recv_start + rows, mask=row_ok & local,
+                         other=0).to(tl.int64)
+        target = tl.where(local, placed, rows.to(tl.int64))
         for block0 in range(0, num_blocks, BLOCKS):
             w = _load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
-            _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, out_ptrs, out_ptrs + hidden // 2,
-                        rows, block0, end, num_blocks, end, num_blocks, IN_KIND, 0, False,
-                        WORD_ASM, BLOCK_ROWS, BLOCKS)
+            _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, codes + target * code_stride,
+                        scale_bytes + target * scale_stride, rows, block0, end, num_blocks,
+                        end, num_blocks, IN_KIND, 0, False, WORD_ASM, BLOCK_ROWS, BLOCKS)
     _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
 
 
@@ -613,8 +627,8 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
     Each sent row is read from x once, quantized in registers (the IEEE recipe of
     ``kernels.quantize.quantize_nvfp4``, bit-exact, linear scales) and stored as packed codes
     and scales straight into the destination's inbox, one ``nvfp4_row_bytes(H)`` slot per row;
-    the receive kernel splits the slots into the two outputs. One transfer instead of a local
-    quantize pass and two transfers.
+    the receive kernel splits the slots into the two outputs (the local rows go straight into
+    them). One transfer instead of a local quantize pass and two transfers.
 
     x:            [T, H] bf16/fp16/fp32, T = plan.num_tokens, H % 64 == 0 (the scales of a
                   row are whole 32-bit words).
@@ -647,16 +661,17 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
     blocks = min(NVFP4_SEND_BLOCKS, triton.next_power_of_2(hidden // 16))
     block_rows = max(1, NVFP4_SEND_TILE // blocks)
     flag_words = _flag_bytes(ep_size) // WORD_BYTES
-    _send_nvfp4_kernel[(ep_size, chunks)](
-        words, stride_row, global_scale, plan.send_rank_count_cumsum,
-        plan.send_rank_local_indices, workspace, workspace.stride(0), call_counter,
-        plan.ep_rank, max_rows, hidden, FLAG_WORDS=flag_words, ROW_BYTES=row_bytes,
-        MAX_CHUNKS=MAX_CHUNKS, IN_KIND=in_kind,
-        WORD_ASM=_word_asm(x.device, in_kind, False, stride_row), BLOCK_ROWS=block_rows,
-        BLOCKS=blocks, num_warps=NVFP4_SEND_WARPS, enable_fp_fusion=False)
     num_out_rows = max_rows * ep_size
     packed = torch.empty((num_out_rows, hidden // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((num_out_rows, hidden // 16), dtype=torch.uint8, device=x.device)
+    _send_nvfp4_kernel[(ep_size, chunks)](
+        words, stride_row, global_scale, plan.send_rank_count_cumsum,
+        plan.send_rank_local_indices, workspace, workspace.stride(0), call_counter,
+        plan.ep_rank, max_rows, hidden, packed, scales, plan.recv_rank_count_cumsum,
+        plan.recv_rank_local_indices, FLAG_WORDS=flag_words, ROW_BYTES=row_bytes,
+        MAX_CHUNKS=MAX_CHUNKS, IN_KIND=in_kind,
+        WORD_ASM=_word_asm(x.device, in_kind, False, stride_row), BLOCK_ROWS=block_rows,
+        BLOCKS=blocks, num_warps=NVFP4_SEND_WARPS, enable_fp_fusion=False)
     row_words = row_bytes // WORD_BYTES
     block_rows, block_words = _tile(row_words)
     _recv_kernel[(ep_size, chunks)](
@@ -665,7 +680,8 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
         num_out_rows, triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
         FLAG_WORDS=flag_words, ROW_WORDS=row_words, MAX_CHUNKS=MAX_CHUNKS,
         BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, ZERO_TAIL=True,
-        SPLIT_WORDS=hidden // 8, OUT2_WORDS=hidden // 64, num_warps=NUM_WARPS)
+        SPLIT_WORDS=hidden // 8, OUT2_WORDS=hidden // 64, LOCAL_DIRECT=True,
+        num_warps=NUM_WARPS)
     if check:
         raise_on_timeout(status, plan.ep_rank)
     return packed, scales
