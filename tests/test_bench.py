@@ -218,6 +218,35 @@ def test_targets_pass_and_fail():
     assert "target" not in routing[1]
 
 
+def test_transport_targets_pair_sum_and_best_flashinfer():
+    """dispatch + combine at T=16 judged on their sum; every dispatch/combine row against the
+    faster of FlashInfer's two transports; a row under several targets fails if one does."""
+    def shape(tokens, quant=None):
+        return dict(tokens=tokens, hidden=7168, experts=32, top_k=8, routing="uniform",
+                    **({"quant": quant} if quant else {}))
+
+    def rows(stage, tokens, times, quant=None):
+        return [dict(stage=stage, backend=b, time_us=t, gbps=None, shape=shape(tokens, quant))
+                for b, t in zip(("triton", "flashinfer", "flashinfer_one_sided"), times)]
+    small = (rows("dispatch", 16, (8.0, 9.0, 50.0), "bf16")
+             + rows("combine", 16, (11.5, 46.0, 33.0)))
+    big = (rows("dispatch", 2048, (85.0, 298.0, 84.0), "bf16")
+           + rows("combine", 2048, (99.0, 1128.0, 136.0)))
+    judge_targets(small + big)
+    assert small[0]["target_pass"] is True  # 8 <= min(9, 50)
+    assert small[3]["target_pass"] is True and "20 us together" in small[3]["target"]  # 19.5
+    assert big[0]["target_pass"] is False  # <= 90 us holds, but 85 > the one-sided 84
+    assert "<= 90 us" in big[0]["target"] and "best FlashInfer" in big[0]["target"]
+    assert big[3]["target_pass"] is True  # 99 <= 100 and 99 <= 136
+    slow_pair = (rows("dispatch", 16, (9.0, 9.0, 50.0), "bf16")
+                 + rows("combine", 16, (11.5, 46.0, 33.0)))
+    judge_targets(slow_pair)
+    assert slow_pair[3]["target_pass"] is False  # 20.5 > 20
+    lone = rows("combine", 16, (11.5, 46.0, 33.0))
+    judge_targets(lone)
+    assert lone[0]["target_pass"] is None  # no dispatch row to add
+
+
 def test_target_shapes_are_in_the_default_and_deepseek_sweeps():
     from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, PREPARE, TRANSPORT_SWEEP
     from bench.targets import TARGETS
