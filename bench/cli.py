@@ -76,6 +76,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"{DEFAULT_OUT}; CPU: nothing is written without --out)")
     parser.add_argument("--targets", action="store_true",
                         help="add a PASS/FAIL column for the rows with a stated target")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also profile each timed GPU path (torch.profiler) and record "
+                             "its kernels' device time per call in the JSON (kernels_us)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     parser.add_argument("--readme-from", default=None, metavar="JSON[,JSON]",
@@ -138,7 +141,7 @@ def run_bench(args: argparse.Namespace, ctx: RunContext) -> list[dict]:
         records += [not_distributed_record(s, ctx) for s in distributed]
     if ctx.rank == 0:
         local = RunContext(device=ctx.device, gpu=ctx.gpu, world_size=ctx.world_size,
-                           limits=ctx.limits)
+                           limits=ctx.limits, kernel_times=ctx.kernel_times)
         single = [s for s in SINGLE_DEVICE_STAGES if s.name in args.stage_list]
         records = run_stages(single, sweep, local, backends=args.backend_set,
                              progress=progress, deadline=args.deadline) + records
@@ -188,7 +191,8 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         limits = measure_limits(device) if rank == 0 else {}
         dist.barrier()
         ctx = RunContext(device=device, gpu=report.gpu_name(device), rank=rank,
-                         world_size=world_size, group=dist.group.WORLD, limits=limits)
+                         world_size=world_size, group=dist.group.WORLD, limits=limits,
+                         kernel_times=args.kernel_times)
         records = run_bench(args, ctx)
         if rank == 0:
             finish(args, records, ctx)
@@ -227,7 +231,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         limits = measure_limits(device)
     else:
         device, limits = torch.device("cpu"), {}
-    ctx = RunContext(device=device, gpu=report.gpu_name(device), limits=limits)
+    ctx = RunContext(device=device, gpu=report.gpu_name(device), limits=limits,
+                     kernel_times=args.kernel_times)
     records = run_bench(args, ctx)
     finish(args, records, ctx)
     return records

@@ -3,12 +3,13 @@ the paths that agree, and turn the result into records.
 
 A record (one dict per stage, shape and backend) is the unit of the JSON and of the table:
 ``stage, backend, gpu, num_gpus, shape, dtype, time_us, p20_us, p80_us, bytes, local_bytes,
-remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing``. ``gbps`` is the effective
-bandwidth (``bytes`` / time); ``pct_of_limit`` compares the HBM minimum (``hbm_bytes``: differs
-from ``local_bytes`` only where a formula reads the same rows several times, e.g. gather_rows)
-and the remote bytes with the measured limits. ``ok`` is True (checked, then timed),
-False (output differs or the call failed; never timed) or None (the path cannot run here, or
-there was no oracle to check it against; ``note`` says why).
+remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing`` (and, with ``--kernel-times``,
+``kernels_us``: device time per call of each kernel the path launches, torch.profiler).
+``gbps`` is the effective bandwidth (``bytes`` / time); ``pct_of_limit`` compares the HBM
+minimum (``hbm_bytes``: differs from ``local_bytes`` only where a formula reads the same rows
+several times, e.g. gather_rows) and the remote bytes with the measured limits. ``ok`` is
+True (checked, then timed), False (output differs or the call failed; never timed) or None
+(the path cannot run here, or there was no oracle to check it against; ``note`` says why).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from bench.stages import Path, Stage, Sweep, Unavailable
-from bench.timing import (CaptureFailed, Timing, time_cpu, time_fixed, time_gpu,
+from bench.timing import (CaptureFailed, Timing, kernel_times, time_cpu, time_fixed, time_gpu,
                           time_graph_fixed)
 
 
@@ -32,6 +33,7 @@ class RunContext:
     ``group`` is the torch.distributed group of the ranks (None in a single process).
     ``limits``: measured bandwidths in GB/s (``hbm_gbps``, ``nvlink_gbps``); empty on CPU.
     ``shared``: per-run objects a stage may keep across shapes (e.g. transport workspaces).
+    ``kernel_times``: also profile each timed path's kernels (``--kernel-times``).
     """
 
     device: torch.device
@@ -41,6 +43,7 @@ class RunContext:
     group: Any = None
     limits: dict = field(default_factory=dict)
     shared: dict = field(default_factory=dict)
+    kernel_times: bool = False
 
     @property
     def interpreter(self) -> bool:
@@ -239,7 +242,12 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
     except Exception as error:
         return record(ok=False, note=f"timing failed: {_brief(error)}")
     note = "; ".join(part for part in (note, path.timed, timing.remark) if part)
-    return record(ok=True, note=note, timing=timing)
+    row = record(ok=True, note=note, timing=timing)
+    if ctx.kernel_times and not ctx.interpreter and path.before is None and path.after is None:
+        with torch.cuda.device(ctx.device):
+            row["kernels_us"] = kernel_times(
+                path.run, barrier=ctx.barrier if stage.distributed else None)
+    return row
 
 
 def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:

@@ -49,6 +49,8 @@ GRAPH_REPLAY_MS, GRAPH_SAMPLES, GRAPH_ESTIMATE_REPLAYS, MAX_CALLS_PER_GRAPH = 1.
 FIXED_WARMUP, FIXED_REPS = 5, 30
 # Collectives by graph replay: calls per graph and replays (samples), the same on every rank.
 GRAPH_FIXED_CALLS, GRAPH_FIXED_SAMPLES = 20, 10
+# Calls profiled per path by --kernel-times (kernel_times).
+KERNEL_TIME_REPS = 10
 # Interpreter runs: a couple of calls after the checked one, the numbers mean nothing anyway.
 CPU_REPS = 2
 # Bytes copied to measure the HBM and peer bandwidths: large enough to hide launch cost and
@@ -299,6 +301,31 @@ def time_fixed(fn: Callable[[], object], *, before: Optional[Callable[[], object
             after()
     torch.cuda.synchronize()
     return _from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)], "fixed_events")
+
+
+def kernel_times(fn: Callable[[], object], *, barrier: Optional[Callable[[], object]] = None,
+                 reps: int = KERNEL_TIME_REPS) -> dict[str, float]:
+    """Device time per call (us) of each GPU activity ``fn`` launches (kernels, memsets,
+    copies), by torch.profiler over exactly ``reps`` calls after one untimed call (the same
+    count on every rank, so collectives can use it). A spinning receive kernel's time includes
+    its wait, which is the point: it shows how a transfer's time splits between its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in trace.key_averages():
+        total = getattr(event, "self_device_time_total", None)
+        if total is None:  # older torch
+            total = getattr(event, "self_cuda_time_total", 0)
+        if total > 0:
+            times[event.key] = round(total / reps, 2)
+    return times
 
 
 def time_graph_fixed(fn: Callable[[], object], *, barrier: Callable[[], object],

@@ -371,6 +371,22 @@ def test_gpu_quick_bench_graph_times_the_capture_safe_paths(tmp_path):
 
 
 @pytest.mark.gpu
+def test_gpu_kernel_times_name_the_kernels(tmp_path):
+    """--kernel-times: each timed GPU row carries its kernels' device time per call."""
+    _, data = run_bench(["--quick", "--tokens", "16", "--stages", "routing",
+                         "--backends", "triton", "--no-plots", "--budget", "0",
+                         "--kernel-times"], tmp_path, cpu=False)
+    rows = [r for r in data["records"] if r["backend"] == "triton" and r["ok"]]
+    assert rows
+    for r in rows:
+        assert any("route_topk" in name and us > 0 for name, us in r["kernels_us"].items()), r
+
+
+def test_kernel_times_flag_parses():
+    assert parse_args(["--kernel-times"]).kernel_times and not parse_args([]).kernel_times
+
+
+@pytest.mark.gpu
 def test_gpu_failed_capture_is_cleaned_up():
     """A path that syncs on the host cannot be captured: the graph timer must end the
     capture, fall back to eager timing and leave torch's CUDA random generator usable."""
