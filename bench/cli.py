@@ -77,8 +77,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--targets", action="store_true",
                         help="add a PASS/FAIL column for the rows with a stated target")
     parser.add_argument("--kernel-times", action="store_true",
-                        help="also profile each timed GPU path (torch.profiler) and record "
-                             "its kernels' device time per call in the JSON (kernels_us)")
+                        help="also profile each timed GPU path (torch.profiler; warm L2, no "
+                             "graph) and record its kernels' device time per call in the "
+                             "JSON (kernels_us)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     parser.add_argument("--readme-from", default=None, metavar="JSON[,JSON]",

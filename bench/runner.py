@@ -244,9 +244,13 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
     note = "; ".join(part for part in (note, path.timed, timing.remark) if part)
     row = record(ok=True, note=note, timing=timing)
     if ctx.kernel_times and not ctx.interpreter and path.before is None and path.after is None:
-        with torch.cuda.device(ctx.device):
-            row["kernels_us"] = kernel_times(
-                path.run, barrier=ctx.barrier if stage.distributed else None)
+        try:
+            with torch.cuda.device(ctx.device):
+                row["kernels_us"] = kernel_times(
+                    path.run, barrier=ctx.barrier if stage.distributed else None)
+        except Exception as error:  # noqa: BLE001 - a diagnostic; the timed row stands
+            row["note"] = "; ".join(p for p in (row["note"], f"kernel times failed: "
+                                                f"{_brief(error)}") if p)
     return row
 
 
