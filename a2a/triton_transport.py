@@ -192,15 +192,22 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
         rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         target = rows.to(tl.int64)
         if LOCAL_DIRECT:
-            placed = tl.load(recv_indices_ptr + recv_start + rows, mask=row_ok & local,
-                             other=0).to(tl.int64)
-            target = tl.where(local, placed, target)
+            target = _send_targets(recv_indices_ptr, recv_start, rows, row_ok, local)
         for word0 in tl.static_range(0, ROW_WORDS, BLOCK_WORDS):
             words = word0 + tl.arange(0, BLOCK_WORDS)
             ok = row_ok[:, None] & (words < ROW_WORDS)[None, :]
             values = tl.load(rows32 + source[:, None] * ROW_WORDS + words[None, :], mask=ok)
             tl.store(dest + target[:, None] * ROW_WORDS + words[None, :], values, mask=ok)
     _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
+
+
+@triton.jit
+def _send_targets(recv_indices_ptr, recv_start, rows, row_ok, local):
+    """(int64) rows a send program stores its chunk rows ``rows`` to: the same slots of the
+    peer's inbox area, or, for the local segment (``local``: LOCAL_DIRECT), their output rows
+    ``recv_indices[recv_start + row]``."""
+    placed = tl.load(recv_indices_ptr + recv_start + rows, mask=row_ok & local, other=0)
+    return tl.where(local, placed.to(tl.int64), rows.to(tl.int64))
 
 
 @triton.jit
@@ -341,9 +348,7 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
     for row0 in range(begin, end, BLOCK_ROWS):
         rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         in_ptrs = words_ptr + source * stride_row
-        placed = tl.load(recv_indices_ptr + recv_start + rows, mask=row_ok & local,
-                         other=0).to(tl.int64)
-        target = tl.where(local, placed, rows.to(tl.int64))
+        target = _send_targets(recv_indices_ptr, recv_start, rows, row_ok, local)
         for block0 in range(0, num_blocks, BLOCKS):
             w = _load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
             _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, codes + target * code_stride,
@@ -508,18 +513,32 @@ def _check_state(plan: AlltoallPlan, workspace: torch.Tensor, call_counter: torc
                              f"{status.numel()}")
 
 
+def _copy_constants(ep_size: int, row_bytes: int) -> dict:
+    """Launch constants of the row-copying send and receive kernels for rows of
+    ``row_bytes`` bytes."""
+    row_words = row_bytes // WORD_BYTES
+    block_rows, block_words = _tile(row_words)
+    return dict(FLAG_WORDS=_flag_bytes(ep_size) // WORD_BYTES, ROW_WORDS=row_words,
+                MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
+                num_warps=NUM_WARPS)
+
+
+def _new_status(status: Optional[torch.Tensor], plan: AlltoallPlan,
+                device: torch.device) -> torch.Tensor:
+    """``status``, or a fresh zeroed [R] int64 one."""
+    if status is None:
+        status = torch.zeros(plan.ep_size, dtype=torch.int64, device=device)
+    return status
+
+
 def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_programs, *,
           out=None, recv_cumsum=None, recv_indices=None):
     """Launch the send kernel; returns (chunks, the copy-tile constants). With ``out`` (and
     the receive side's cumsum and indices), the local segment is stored straight into its
     output rows (LOCAL_DIRECT), else into our own inbox like the others."""
     ep_size = plan.ep_size
-    row_words = rows.shape[1] // WORD_BYTES
-    block_rows, block_words = _tile(row_words)
     chunks = transport_chunks(ep_size, max_programs)
-    constants = dict(FLAG_WORDS=_flag_bytes(ep_size) // WORD_BYTES, ROW_WORDS=row_words,
-                     MAX_CHUNKS=MAX_CHUNKS, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
-                     LOCAL_DIRECT=out is not None, num_warps=NUM_WARPS)
+    constants = dict(_copy_constants(ep_size, rows.shape[1]), LOCAL_DIRECT=out is not None)
     # (out, its cumsum and indices) of the local segment; unused stand-ins without ``out``
     local = ((out, recv_cumsum, recv_indices) if out is not None
              else (rows, send_cumsum, send_indices))
@@ -529,22 +548,28 @@ def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_pr
     return chunks, constants
 
 
+def _receive(out, out2, recv_cumsum, recv_indices, plan, workspace, call_counter, status,
+             chunks, *, timeout_spins, check, **constants):
+    """Launch the receive kernel (grid R x chunks; with ZERO_TAIL the output rows past the
+    received ones are spread over its programs), then, with ``check``, raise on a timeout."""
+    num_out_rows = out.shape[0]
+    _recv_kernel[(plan.ep_size, chunks)](
+        out, out2, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter,
+        status, plan.ep_rank, plan.ep_size, plan.max_tokens_per_rank, num_out_rows,
+        triton.cdiv(max(num_out_rows, 1), plan.ep_size * chunks), timeout_spins, **constants)
+    if check:
+        raise_on_timeout(status, plan.ep_rank)
+
+
 def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, plan, workspace,
               call_counter, status, *, zero_tail, timeout_spins, max_programs, check):
-    ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
-    if status is None:
-        status = torch.zeros(ep_size, dtype=torch.int64, device=rows.device)
+    status = _new_status(status, plan, rows.device)
     chunks, constants = _send(rows, send_cumsum, send_indices, plan, workspace, call_counter,
                               max_programs, out=out, recv_cumsum=recv_cumsum,
                               recv_indices=recv_indices)
-    num_out_rows = out.shape[0]
-    _recv_kernel[(ep_size, chunks)](
-        out, out, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter,
-        status, plan.ep_rank, ep_size, max_rows, num_out_rows,
-        triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
-        ZERO_TAIL=zero_tail, **constants)
-    if check:
-        raise_on_timeout(status, plan.ep_rank)
+    _receive(out, out, recv_cumsum, recv_indices, plan, workspace, call_counter, status,
+             chunks, timeout_spins=timeout_spins, check=check, ZERO_TAIL=zero_tail,
+             **constants)
     return out
 
 
@@ -654,13 +679,12 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
     row_bytes = nvfp4_row_bytes(hidden)
     _check_state(plan, workspace, call_counter, status, row_bytes, x.device)
     ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
-    if status is None:
-        status = torch.zeros(ep_size, dtype=torch.int64, device=x.device)
+    status = _new_status(status, plan, x.device)
     words, stride_row, in_kind = _as_pairs(x)
     chunks = transport_chunks(ep_size, max_programs)
     blocks = min(NVFP4_SEND_BLOCKS, triton.next_power_of_2(hidden // 16))
     block_rows = max(1, NVFP4_SEND_TILE // blocks)
-    flag_words = _flag_bytes(ep_size) // WORD_BYTES
+    constants = _copy_constants(ep_size, row_bytes)  # the receive kernel's
     num_out_rows = max_rows * ep_size
     packed = torch.empty((num_out_rows, hidden // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((num_out_rows, hidden // 16), dtype=torch.uint8, device=x.device)
@@ -668,22 +692,14 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
         words, stride_row, global_scale, plan.send_rank_count_cumsum,
         plan.send_rank_local_indices, workspace, workspace.stride(0), call_counter,
         plan.ep_rank, max_rows, hidden, packed, scales, plan.recv_rank_count_cumsum,
-        plan.recv_rank_local_indices, FLAG_WORDS=flag_words, ROW_BYTES=row_bytes,
+        plan.recv_rank_local_indices, FLAG_WORDS=constants["FLAG_WORDS"], ROW_BYTES=row_bytes,
         MAX_CHUNKS=MAX_CHUNKS, IN_KIND=in_kind,
         WORD_ASM=_word_asm(x.device, in_kind, False, stride_row), BLOCK_ROWS=block_rows,
         BLOCKS=blocks, num_warps=NVFP4_SEND_WARPS, enable_fp_fusion=False)
-    row_words = row_bytes // WORD_BYTES
-    block_rows, block_words = _tile(row_words)
-    _recv_kernel[(ep_size, chunks)](
-        packed, scales, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices, workspace,
-        workspace.stride(0), call_counter, status, plan.ep_rank, ep_size, max_rows,
-        num_out_rows, triton.cdiv(max(num_out_rows, 1), ep_size * chunks), timeout_spins,
-        FLAG_WORDS=flag_words, ROW_WORDS=row_words, MAX_CHUNKS=MAX_CHUNKS,
-        BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, ZERO_TAIL=True,
-        SPLIT_WORDS=hidden // 8, OUT2_WORDS=hidden // 64, LOCAL_DIRECT=True,
-        num_warps=NUM_WARPS)
-    if check:
-        raise_on_timeout(status, plan.ep_rank)
+    _receive(packed, scales, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices, plan,
+             workspace, call_counter, status, chunks, timeout_spins=timeout_spins, check=check,
+             ZERO_TAIL=True, SPLIT_WORDS=hidden // 8, OUT2_WORDS=hidden // 64,
+             LOCAL_DIRECT=True, **constants)
     return packed, scales
 
 
@@ -719,8 +735,7 @@ def triton_combine(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tens
     ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
     num_tokens, top_k = plan.num_tokens, plan.top_k
     device = rows.device
-    if status is None:
-        status = torch.zeros(ep_size, dtype=torch.int64, device=device)
+    status = _new_status(status, plan, device)
     row_elems = rows.shape[1] // elem_bytes
     # Where slot t*k + j comes back: s * N + i (row i of source s's inbox area) or -1.
     slot_map = torch.empty((max(num_tokens * top_k, 1),), dtype=torch.int32, device=device)
