@@ -353,7 +353,7 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
             w = _load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
             _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, codes + target * code_stride,
                         scale_bytes + target * scale_stride, rows, block0, end, num_blocks,
-                        end, num_blocks, IN_KIND, 0, False, WORD_ASM, BLOCK_ROWS, BLOCKS)
+                        end, num_blocks, IN_KIND, 0, False, WORD_ASM, BLOCK_ROWS, BLOCKS, "")
     _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
 
 

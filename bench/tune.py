@@ -9,7 +9,9 @@ with an L2 flush before each call), next to FlashInfer where it has the op. The 
 defaults are the best rows of such a run, and the JSON it writes
 (``bench/results/tune-<gpu>-<time>.json``) is the record of that choice. The NVFP4 case also
 times ``bench.floor`` (the same bytes read and written with no arithmetic), the yardstick for
-how close the quantizer is to the memory system's limit for its traffic.
+how close the quantizer is to the memory system's limit for its traffic. Flushed cases are also
+timed back to back without the flush (``steady_us``): every call's reads miss L2 anyway, and
+the previous call's writes drain during the next one.
 
     python -m bench.tune                     # every kernel
     python -m bench.tune --only nvfp4,routing
@@ -83,8 +85,8 @@ def _quantize_cases(device) -> list[Case]:
             (2048, 4, 2, None, 8), (2048, 4, 1, None, 8), (2048, 4, 3, None, 8),
             (2048, 4, 3, 64, 8), (1024, 2, 2, None, 8), (1024, 2, 3, None, 8),
             (4096, 8, 2, None, 8), (4096, 8, 3, None, 8), (2048, 4, 2, None, 4))]
-    # swizzled_128x4: tiles of G rows from each 32-row group (whole 32-byte scale pieces)
-    row_groups = [dict(NVFP4_ROW_GROUP=group) for group in (1, 2, 4)]
+    # the packed stores' L2 eviction priority (NVFP4_STORE_POLICY)
+    policies = [dict(NVFP4_STORE_POLICY=policy) for policy in ("", "evict_first")]
     # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
     amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
                             AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])
@@ -93,7 +95,7 @@ def _quantize_cases(device) -> list[Case]:
         x = (torch.randn(rows, hidden, generator=generator) * 3).to(torch.bfloat16).to(device)
         gs = R.nvfp4_global_scale(x)
         # the same bytes moved without the arithmetic (bench/floor.py), for scale
-        floors = {f"traffic floor {'x'.join(map(str, v))}":
+        floors = {f"traffic floor {'x'.join(map(str, v[:3]))} {v[3] or 'default'}":
                   lambda x=x, v=v: floor.nvfp4_traffic(x, v) for v in floor.FLOOR_VARIANTS}
 
         def with_knobs(fn):
@@ -108,7 +110,7 @@ def _quantize_cases(device) -> list[Case]:
                 with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
                                                                               layout=layout)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
-                nvfp4_tiles + (row_groups if layout == "swizzled_128x4" else []),
+                nvfp4_tiles + policies,
                 others=floors if layout == "linear" else {}))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
@@ -161,8 +163,18 @@ def _same(actual: tuple, expected: tuple, ids_only: bool) -> bool:
                for a, e in pairs)
 
 
-def _time(fn, graph: bool) -> float:
-    return (time_graph(fn) if graph else time_graph_flushed(fn)).median_us
+def _times(fn, graph: bool) -> dict:
+    """{time_us}: graph replay (``graph``), else {time_us: replay with an L2 flush before each
+    call (the bench's timing), steady_us: back-to-back replay, no flush}."""
+    if graph:
+        return dict(time_us=time_graph(fn).median_us)
+    return dict(time_us=time_graph_flushed(fn).median_us, steady_us=time_graph(fn).median_us)
+
+
+def _print_row(row: dict) -> None:
+    steady = f"(back to back {row['steady_us']:.2f})" if row.get("steady_us") else ""
+    print(f"{row['case']:40s} {row['variant']:90s} {'ok' if row['ok'] else 'FAIL'} "
+          f"{row.get('time_us') or 0:9.2f} {steady} {row.get('error', '')}", flush=True)
 
 
 def run_case(case: Case) -> list[dict]:
@@ -170,22 +182,19 @@ def run_case(case: Case) -> list[dict]:
     rows = []
     for name, fn in case.others.items():
         try:
-            rows.append(dict(case=case.name, variant=name, ok=True, time_us=_time(fn, case.graph)))
+            rows.append(dict(case=case.name, variant=name, ok=True, **_times(fn, case.graph)))
         except Exception as error:  # noqa: BLE001 - reported, the sweep goes on
             rows.append(dict(case=case.name, variant=name, ok=False, error=str(error)[:200]))
-        print(f"{case.name:40s} {name:90s} {'ok' if rows[-1]['ok'] else 'FAIL'} "
-              f"{rows[-1].get('time_us') or 0:9.2f} {rows[-1].get('error', '')}", flush=True)
+        _print_row(rows[-1])
     for knobs in case.variants:
         label = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
         try:
             ok = _same(case.run(knobs), expected, ids_only=case.graph)
-            time_us = _time(lambda knobs=knobs: case.run(knobs), case.graph) if ok else None
-            rows.append(dict(case=case.name, variant=label, ok=ok, time_us=time_us))
+            times = _times(lambda knobs=knobs: case.run(knobs), case.graph) if ok else {}
+            rows.append(dict(case=case.name, variant=label, ok=ok, **times))
         except Exception as error:  # noqa: BLE001
             rows.append(dict(case=case.name, variant=label, ok=False, error=str(error)[:200]))
-        row = rows[-1]
-        print(f"{case.name:40s} {label:90s} {'ok' if row['ok'] else 'FAIL'} "
-              f"{row.get('time_us') or 0:9.2f} {row.get('error', '')}", flush=True)
+        _print_row(rows[-1])
     return rows
 
 

@@ -92,11 +92,6 @@ def launch_everything() -> None:
                                                              "swizzled_128x4"),
                                       dtype=torch.uint8))
         Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4")
-    saved = Q.NVFP4_ROW_GROUP
-    Q.NVFP4_ROW_GROUP = 2
-    Q.quantize_nvfp4(torch.empty(8192, 7168, dtype=torch.bfloat16), gs,
-                     layout="swizzled_128x4")
-    Q.NVFP4_ROW_GROUP = saved
     floor.nvfp4_traffic(torch.empty(256, 7168, dtype=torch.bfloat16))  # (its ASM=False form)
     for layout in R.SCALE_LAYOUTS[1:]:
         swizzled = Q.swizzle_scales(torch.zeros(300, 448, dtype=torch.uint8), layout)

@@ -390,34 +390,6 @@ def test_nvfp4_programs_walk_several_tiles(device, seed, monkeypatch, max_blocks
                      R.quantize_nvfp4(x[rows.long()], gs, layout=layout))
 
 
-@pytest.mark.parametrize("row_group,steps", [(1, 2), (2, 8), (4, 1), (32, 3)])
-def test_nvfp4_row_group_tiles(device, seed, monkeypatch, row_group, steps):
-    """NVFP4_ROW_GROUP: swizzled_128x4 tiles of G rows from each of the 4 groups of 32 rows of
-    a 128-row block (rows past M and blocks past H/16 are the zero padding); the other layouts
-    keep plain row tiles. Bit-exact either way, with and without a row gather."""
-    for name, value in (("NVFP4_ROW_GROUP", row_group), ("NVFP4_STEPS", steps),
-                        ("NVFP4_TILE_ELEMENTS", 16 * 4 * row_group * 4)):
-        monkeypatch.setattr(Q, name, value)
-    assert Q._grouped_tile(7, row_group)[:2] == (4 * row_group, 4)
-    rows = torch.tensor([129, 0, 5, 5, 17, 130, 2], dtype=torch.int32, device=device)
-    for num_rows, hidden in ((131, 112), (1, 48)):
-        x = _hard_input(num_rows, hidden, torch.bfloat16, device)
-        gs = R.nvfp4_global_scale(x)
-        for layout in R.SCALE_LAYOUTS:
-            _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
-                         R.quantize_nvfp4(x, gs, layout=layout))
-        if num_rows > 130:
-            _assert_same(Q.quantize_nvfp4(x, gs, layout="swizzled_128x4", rows=rows),
-                         R.quantize_nvfp4(x[rows.long()], gs, layout="swizzled_128x4"))
-
-
-def test_nvfp4_row_group_is_checked(monkeypatch):
-    monkeypatch.setattr(Q, "NVFP4_ROW_GROUP", 3)
-    x = torch.ones(4, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="NVFP4_ROW_GROUP=3"):
-        Q.quantize_nvfp4(x, torch.ones(1), layout="swizzled_128x4")
-
-
 def test_steps_rule():
     """Tiles per program: NVFP4_STEPS at most, fewer while the grid is under 2 programs per
     SM (4 stand-in SMs on CPU), spread evenly."""
