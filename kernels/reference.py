@@ -691,6 +691,21 @@ QUANT_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+def _e2m1_grid(device: torch.device) -> torch.Tensor:
+    """_E2M1_VALUES as an fp32 tensor on ``device``, computed there from the codes (exponent
+    e = code >> 1, mantissa m = code & 1: m / 2 for e == 0, else 2^(e-1) * (1 + m / 2)), not
+    copied from the host, so that the oracle stays capturable in a CUDA graph (compiled too)."""
+    code = torch.arange(8, device=device)
+    exponent, mantissa = (code >> 1).to(torch.float32), (code & 1).to(torch.float32)
+    return torch.where(exponent == 0, mantissa * 0.5,
+                       torch.exp2(exponent - 1) * (1.0 + mantissa * 0.5))
+
+
+def _f32(value: float, device: torch.device) -> torch.Tensor:
+    """fp32(value) as a 0-d tensor filled on ``device`` (no host-to-device copy)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
@@ -758,7 +773,7 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.float32)
     magnitude = _round_to_grid(x.abs(), mantissa_bits=1, min_exponent=0, max_value=E2M1_MAX)
     magnitude = torch.where(torch.isnan(x), torch.full_like(magnitude, E2M1_MAX), magnitude)
-    grid = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=x.device)
+    grid = _e2m1_grid(x.device)
     code = torch.searchsorted(grid, magnitude.contiguous())  # exact match: the grid index
     code = torch.where(torch.signbit(x), code | 0x8, code)
     return code.to(torch.uint8)
@@ -766,7 +781,7 @@ def e2m1_code(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_value(code: torch.Tensor) -> torch.Tensor:
     """e2m1 code (uint8, low 4 bits) -> fp32 (exact)."""
-    grid = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=code.device)
+    grid = _e2m1_grid(code.device)
     code = code.to(torch.int64) & 0xF
     magnitude = grid[code & 0x7]
     return torch.where(code >= 8, -magnitude, magnitude)
@@ -883,7 +898,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
     amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
-    scale = torch.tensor(NVFP4_GLOBAL_NUMERATOR, dtype=torch.float32, device=x.device) / amax
+    scale = _f32(NVFP4_GLOBAL_NUMERATOR, x.device) / amax
     return torch.where(amax == 0, torch.ones_like(scale), scale).reshape(1)
 
 
@@ -908,7 +923,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     _check_global_scale(global_scale, x.device)
     gs = global_scale.reshape(()).to(torch.float32)
     blocks, amax = _block_amax(x, NVFP4_BLOCK)
-    inv6 = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)  # f32(1/6)
+    inv6 = _f32(1.0 / 6.0, x.device)
     sf = e4m3_code(amax * (gs * inv6))
     decode = 1.0 / gs
     out_scale = torch.clamp(1.0 / (e4m3_value(sf) * decode), max=FLT_MAX)
@@ -939,7 +954,7 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
 
 def _mx_scales(amax: torch.Tensor, element_max: float) -> torch.Tensor:
     """e8m0 code of amax * f32(1 / element_max), rounded towards +inf."""
-    inverse = torch.tensor(1.0 / element_max, dtype=torch.float32, device=amax.device)
+    inverse = _f32(1.0 / element_max, amax.device)
     return e8m0_code(amax * inverse)
 
 

@@ -17,6 +17,38 @@ def test_e2m1_ties_round_to_even():
     assert _e2m1([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]) == list(range(8))
 
 
+def test_e2m1_grid_is_the_table():
+    # the oracle builds the e2m1 magnitudes on the device from the codes (no host copy)
+    assert R._e2m1_grid(torch.device("cpu")).tolist() == list(R._E2M1_VALUES)
+    assert R.e2m1_value(torch.arange(16, dtype=torch.uint8)).tolist() == (
+        list(R._E2M1_VALUES) + [-v for v in R._E2M1_VALUES])
+
+
+@pytest.mark.gpu
+def test_oracle_quantizers_capture_in_a_cuda_graph(seed):
+    """The oracle copies nothing from the host, so the bench can graph-time it (and its
+    torch.compile form): a captured call replays to the eager result."""
+    x = (torch.randn(300, 256, device="cuda") * 3).to(torch.bfloat16)
+    ops = {"global_scale": lambda: (R.nvfp4_global_scale(x),),
+           "nvfp4": lambda: R.quantize_nvfp4(x, R.nvfp4_global_scale(x),
+                                             layout="swizzled_128x4"),
+           "mxfp8": lambda: R.quantize_mxfp8(x), "mxfp4": lambda: R.quantize_mxfp4(x)}
+    for name, op in ops.items():
+        want = op()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            op()  # warm-up off the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                got = op()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), name
+
+
 def test_e2m1_saturates_and_keeps_sign():
     assert _e2m1([6.0, 6.5, 100.0, float("inf")]) == [7, 7, 7, 7]
     assert _e2m1([-6.5, -float("inf"), -0.75, -0.0, -0.1]) == [15, 15, 10, 8, 8]
