@@ -105,13 +105,18 @@ def _quantize_cases(device) -> list[Case]:
             return run
 
         for layout in ("linear", "swizzled_128x4") if rows == BIG[0] else ("linear",):
+            others = dict(floors) if layout == "linear" else {}
+            if rows == BIG[0]:  # each call into other buffers: no output is still in L2
+                for policy in (Q.NVFP4_STORE_POLICY, ""):
+                    others[f"rotating outputs, NVFP4_STORE_POLICY={policy}"] = (
+                        lambda call=rotating_nvfp4(x, gs, layout), policy=policy:
+                        with_knobs(call)(dict(NVFP4_STORE_POLICY=policy)))
             cases.append(Case(
                 f"nvfp4_{layout} [{rows},{hidden}]",
                 with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
                                                                               layout=layout)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
-                nvfp4_tiles + policies,
-                others=floors if layout == "linear" else {}))
+                nvfp4_tiles + policies, others=others))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
                               with_knobs(lambda x=x: Q.quantize_mxfp8(x)),
@@ -120,6 +125,29 @@ def _quantize_cases(device) -> list[Case]:
                           with_knobs(lambda x=x: (Q.nvfp4_global_scale(x),)),
                           lambda x=x: (R.nvfp4_global_scale(x),), amax))
     return cases
+
+
+def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str) -> Callable[[], tuple]:
+    """A call of ``quantize_nvfp4(x, gs, layout=layout)`` that writes into the next of enough
+    output buffers (out=, out_scales=) to hold 4x the L2 (at least 2), in turn: a timed call
+    never finds its output's lines in L2 from an earlier call, so every call's writes reach
+    DRAM within the timed replay (checks that a store policy's gain is not such reuse)."""
+    from kernels import quantize as Q
+    from kernels.reference import swizzled_scale_shape
+    rows, hidden = x.shape
+    scale_shape = swizzled_scale_shape(rows, hidden // 16, layout)
+    out_bytes = rows * hidden // 2 + scale_shape[0] * scale_shape[1]
+    l2_bytes = (torch.cuda.get_device_properties(x.device).L2_cache_size if x.is_cuda
+                else out_bytes)
+    buffers = [(torch.empty(rows, hidden // 2, dtype=torch.uint8, device=x.device),
+                torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
+               for _ in range(max(2, -(-4 * l2_bytes // out_bytes)))]
+    calls = itertools.count()
+
+    def call():
+        out, out_scales = buffers[next(calls) % len(buffers)]
+        return Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales)
+    return call
 
 
 def _routing_cases(device) -> list[Case]:

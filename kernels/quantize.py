@@ -36,10 +36,10 @@ quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale blocks, about NVFP4_
 walks up to NVFP4_STEPS tiles along its rows, loading NVFP4_PREFETCH tiles ahead (``_steps``).
 The grid covers rows x blocks, padded to the swizzled tile so that the same programs write the
 zero padding of the scales. The packed values are stored with L2 eviction priority
-NVFP4_STORE_POLICY ("evict_last"): they stay in L2 for the op that reads them next (a transport
-send, a GEMM) instead of being pushed out by the input stream, which is read once. The
-difference shows when other memory traffic runs between calls (``bench.tune``: the bench's
-L2-flushed timing and the back-to-back timing, for this kernel and ``bench.floor``).
+NVFP4_STORE_POLICY ("evict_last"), a hint to keep them in L2 for the op that reads them next (a
+transport send, a GEMM). Measured on H200 (``bench.tune``, which times this kernel and
+``bench.floor`` both ways): faster when other memory traffic runs between calls (the bench's
+L2-flushed timing), the same back to back.
 """
 
 from __future__ import annotations
@@ -438,7 +438,7 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
                            LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                            WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                            BLOCKS: tl.constexpr, STEPS: tl.constexpr,
-                           PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr = ""):
+                           PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr):
     """A program quantizes BLOCK_ROWS rows over STEPS consecutive tiles of BLOCKS scale blocks
     (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before working on the
     current one, so a thread has loads in flight while it computes."""

@@ -616,3 +616,19 @@ def test_traffic_floor_moves_nvfp4_bytes(device, variant):
     assert out.shape == (3, 96) and scales.shape == (3, 12)
     assert torch.equal(out.view(torch.int16).view(3, 12, 4), mixed.to(torch.int16))
     assert torch.equal(scales, (mixed.amax(dim=2) & 0xFF).to(torch.uint8))
+
+
+def test_tune_rotating_outputs_cycle_and_stay_exact(device):
+    """bench.tune's rotating NVFP4 call writes each call into the next of its output buffers
+    (4 on CPU, where the L2 size stands in as one output) and every call equals the oracle."""
+    from bench.tune import rotating_nvfp4
+    from kernels import reference as R
+    x = torch.randn(130, 64, device=device).to(torch.bfloat16)
+    gs = R.nvfp4_global_scale(x)
+    call = rotating_nvfp4(x, gs, "swizzled_128x4")
+    outs = [call() for _ in range(5)]
+    want = R.quantize_nvfp4(x, gs, layout="swizzled_128x4")
+    pointers = [out[0].data_ptr() for out in outs]
+    assert len(set(pointers)) >= 2 and pointers[0] != pointers[1]
+    for out in outs:
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
