@@ -452,13 +452,20 @@ class PrepareTimeout(RuntimeError):
     """Some source ranks did not deliver their prepare data within the spin bound."""
 
 
-def raise_on_timeout(status: torch.Tensor, ep_rank: int) -> None:
-    """Raise :class:`PrepareTimeout` naming the source ranks whose data did not arrive
-    (reads ``status``: a host sync; ``status[s]`` = c + 1 of the last call c that timed out)."""
+def timed_out_sources(status: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(source ranks whose wait timed out, the calls it happened in) from a status tensor,
+    ``status[s]`` = c + 1 of the last call c that timed out for source s (reading it is a
+    host sync). Shared with a2a/triton_transport.py."""
     values = status.tolist()
     missing = [source for source, value in enumerate(values) if value]
+    return missing, sorted({values[s] - 1 for s in missing})
+
+
+def raise_on_timeout(status: torch.Tensor, ep_rank: int) -> None:
+    """Raise :class:`PrepareTimeout` naming the source ranks whose data did not arrive
+    (``timed_out_sources``)."""
+    missing, calls = timed_out_sources(status)
     if missing:
-        calls = sorted({values[s] - 1 for s in missing})
         raise PrepareTimeout(
             f"rank {ep_rank}: source rank(s) {missing} did not deliver their prepare data "
             f"within timeout_spins (call(s) {calls}; did every rank make the same sequence of "

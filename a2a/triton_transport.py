@@ -101,7 +101,7 @@ import torch
 import triton
 import triton.language as tl
 
-from a2a.triton_prepare import TIMEOUT_SPINS, wait_for_flags, advance_call
+from a2a.triton_prepare import TIMEOUT_SPINS, advance_call, timed_out_sources, wait_for_flags
 from kernels.permute import _round_to
 from kernels.quantize import _load_halves, _nvfp4_tile
 from kernels.types import AlltoallPlan
@@ -805,11 +805,9 @@ class TransportTimeout(RuntimeError):
 
 def raise_on_timeout(status: torch.Tensor, ep_rank: int) -> None:
     """Raise :class:`TransportTimeout` naming the source ranks whose rows did not arrive
-    (reads ``status``: a host sync). ``status[s]`` = c + 1 of the last call c that timed out."""
-    values = status.tolist()
-    missing = [source for source, value in enumerate(values) if value]
+    (``timed_out_sources``: a host sync)."""
+    missing, calls = timed_out_sources(status)
     if missing:
-        calls = sorted({values[s] - 1 for s in missing})
         raise TransportTimeout(
             f"rank {ep_rank}: source rank(s) {missing} did not deliver their rows within "
             f"timeout_spins (transfer call(s) {calls}; did every rank run the same sequence of "
