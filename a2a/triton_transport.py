@@ -13,6 +13,11 @@ cumsums and index lists they are given, exactly as FlashInfer's ``moe_comm`` is 
                   chunk ``chunk`` of area[s][parity] (L2 reads, ``.cg``) to output rows
                   ``recv_indices[recv_start(s) + i]``.
 
+``_transfer_kernel`` (``OVERLAP``, off by default): both in one launch, grid (R, 2C), the send
+                  programs first; the receive programs copy each chunk out as it arrives while
+                  this rank's sends still run, and every program of the launch counts itself
+                  in before the counter moves on.
+
 ``_send_nvfp4_kernel`` (``triton_dispatch_nvfp4``) is a send kernel that quantizes on the way:
 it reads each row of x once, quantizes it to NVFP4 in registers with ``kernels.quantize``'s
 tile code and stores codes and scales into one ``nvfp4_row_bytes(H)`` slot; the receive kernel
@@ -122,6 +127,10 @@ PAD_BYTES = 128
 # bench's probe, 64 CTAs x 16 KB, reaches ~355), hence 64 programs per peer at R = 2 (R * C is
 # capped here, C at MAX_CHUNKS) and 16 KB tiles.
 TRANSPORT_PROGRAMS = 256
+# triton_dispatch_rows / triton_combine_rows as one launch of send and receive programs
+# (``_transfer_kernel``): received chunks are copied out while this rank still sends, instead
+# of by a second kernel after the send. Off until timed against the two-kernel path on 2 GPUs.
+OVERLAP = False
 # Words per tile: 4 warps x 32 threads x 32 words, eight 16-byte vectors per thread per step.
 TILE_WORDS = 4096
 NUM_WARPS = 4
@@ -171,11 +180,23 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
                  FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                  MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  BLOCK_WORDS: tl.constexpr, LOCAL_DIRECT: tl.constexpr):
-    """LOCAL_DIRECT: the local segment (peer == ep_rank) goes straight to its output rows
-    (``recv_indices[recv start of ep_rank + i]`` of out_ptr), not through our own inbox."""
-    peer = tl.program_id(0)  # destination
-    chunk = tl.program_id(1)
-    call = tl.load(counter_ptr)
+    """Program (destination, chunk): ``_send_chunk``."""
+    _send_chunk(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, ep_rank, max_rows,
+                out_ptr, recv_cumsum_ptr, recv_indices_ptr, tl.program_id(0), tl.program_id(1),
+                tl.num_programs(1), tl.load(counter_ptr), FLAG_WORDS, ROW_WORDS, MAX_CHUNKS,
+                BLOCK_ROWS, BLOCK_WORDS, LOCAL_DIRECT)
+
+
+@triton.jit
+def _send_chunk(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, ep_rank, max_rows,
+                out_ptr, recv_cumsum_ptr, recv_indices_ptr, peer, chunk, num_chunks, call,
+                FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                LOCAL_DIRECT: tl.constexpr):
+    """Copy chunk ``chunk`` (of ``num_chunks``) of this rank's segment for destination
+    ``peer`` into its inbox in call ``call``, then publish the flag. LOCAL_DIRECT: the local
+    segment (peer == ep_rank) goes straight to its output rows (``recv_indices[recv start of
+    ep_rank + i]`` of out_ptr), not through our own inbox."""
     rows32 = rows_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     dest = _outbox(ws_ptr, ws_row_stride, peer, ep_rank, call, max_rows, FLAG_WORDS,
                    ROW_WORDS * 4).to(tl.pointer_type(tl.int32), bitcast=True)
@@ -187,7 +208,7 @@ def _send_kernel(rows_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, count
         if local:
             dest = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
 
-    seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, tl.num_programs(1))
+    seg_start, begin, end = _chunk_range(cumsum_ptr, peer, chunk, num_chunks)
     for row0 in range(begin, end, BLOCK_ROWS):
         rows, row_ok, source = _chunk_rows(indices_ptr, seg_start, row0, end, BLOCK_ROWS)
         target = rows.to(tl.int64)
@@ -241,17 +262,41 @@ def _recv_kernel(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stri
     """SPLIT_WORDS > 0: words [0, SPLIT_WORDS) of each row go to ``out_ptr`` (rows of
     SPLIT_WORDS words), words [SPLIT_WORDS, +OUT2_WORDS) to ``out2_ptr`` (rows of OUT2_WORDS
     words), the rest of the row (padding) nowhere. LOCAL_DIRECT: the send kernel (earlier on
-    this stream) stored our own segment in place; its programs only take part in the call."""
-    peer = tl.program_id(0)  # source
-    chunk = tl.program_id(1)
-    num_chunks = tl.num_programs(1)
+    this stream) stored our own segment in place; its programs only take part in the call.
+    Program (source, chunk): ``_recv_chunk``, after counting itself in (``advance_call``)."""
     call = tl.load(counter_ptr)
+    _arrive(ws_ptr, ws_row_stride, counter_ptr, ep_rank, ep_size, call, MAX_CHUNKS)
+    _recv_chunk(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, status_ptr,
+                ep_rank, ep_size, max_rows, num_out_rows, tail_rows, timeout_spins,
+                tl.program_id(0), tl.program_id(1), tl.num_programs(1), call, FLAG_WORDS,
+                ROW_WORDS, MAX_CHUNKS, BLOCK_ROWS, BLOCK_WORDS, ZERO_TAIL, SPLIT_WORDS,
+                OUT2_WORDS, LOCAL_DIRECT)
+
+
+@triton.jit
+def _arrive(ws_ptr, ws_row_stride, counter_ptr, ep_rank, ep_size, call,
+            MAX_CHUNKS: tl.constexpr):
+    """``advance_call`` on this rank's arrivals word (after the flags of its inbox row)."""
+    ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+    advance_call(counter_ptr, ws64 + ep_rank.to(tl.int64) * ws_row_stride
+                 + ep_size * MAX_CHUNKS, call)
+
+
+@triton.jit
+def _recv_chunk(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stride, status_ptr,
+                ep_rank, ep_size, max_rows, num_out_rows, tail_rows, timeout_spins, peer, chunk,
+                num_chunks, call, FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                ZERO_TAIL: tl.constexpr, SPLIT_WORDS: tl.constexpr, OUT2_WORDS: tl.constexpr,
+                LOCAL_DIRECT: tl.constexpr):
+    """Wait (bounded) for chunk ``chunk`` (of ``num_chunks``) of source ``peer`` in call
+    ``call``, copy it from our inbox to its output rows, then zero this program's share of
+    the output tail (ZERO_TAIL; the other arguments as in ``_recv_kernel``)."""
     parity = call % 2
     out32 = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     ws32 = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     ws64 = ws_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     my_row = ep_rank.to(tl.int64) * ws_row_stride  # in 64-bit words
-    advance_call(counter_ptr, ws64 + my_row + ep_size * MAX_CHUNKS, call)
 
     # Wait for source `peer`'s chunk (bounded), then let every thread read what it covers.
     flag = ws64 + my_row + peer * MAX_CHUNKS + chunk
@@ -295,6 +340,38 @@ def _recv_kernel(out_ptr, out2_ptr, cumsum_ptr, indices_ptr, ws_ptr, ws_row_stri
                 _store_row_words(out32, out2_ptr, rows.to(tl.int64), words,
                                  tl.zeros((BLOCK_ROWS, BLOCK_WORDS), tl.int32), ok, ROW_WORDS,
                                  SPLIT_WORDS, OUT2_WORDS)
+
+
+@triton.jit(do_not_specialize=["ep_rank", "ep_size", "max_rows", "num_out_rows", "tail_rows",
+                               "timeout_spins"])
+def _transfer_kernel(rows_ptr, send_cumsum_ptr, send_indices_ptr, out_ptr, recv_cumsum_ptr,
+                     recv_indices_ptr, ws_ptr, ws_row_stride, counter_ptr, status_ptr, ep_rank,
+                     ep_size, max_rows, num_out_rows, tail_rows, timeout_spins,
+                     FLAG_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                     MAX_CHUNKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                     BLOCK_WORDS: tl.constexpr, ZERO_TAIL: tl.constexpr):
+    """Send and receive of one transfer in one launch (``OVERLAP``), grid (R, 2C): programs
+    (q, c < C) are ``_send_kernel``'s (destination q, chunk c), LOCAL_DIRECT; programs
+    (s, C + c) are ``_recv_kernel``'s (source s, chunk c), which copy each chunk as soon as it
+    arrives, while this rank's sends still run. Every program counts itself in before the
+    counter moves on (so no send program can read the next call's number). Send programs come
+    first in the launch order (lower block ids), so the spinning receive programs can never
+    hold back a send they wait for."""
+    num_chunks = tl.num_programs(1) // 2
+    peer = tl.program_id(0)
+    call = tl.load(counter_ptr)
+    _arrive(ws_ptr, ws_row_stride, counter_ptr, ep_rank, ep_size, call, MAX_CHUNKS)
+    if tl.program_id(1) < num_chunks:
+        _send_chunk(rows_ptr, send_cumsum_ptr, send_indices_ptr, ws_ptr, ws_row_stride,
+                    ep_rank, max_rows, out_ptr, recv_cumsum_ptr, recv_indices_ptr, peer,
+                    tl.program_id(1), num_chunks, call, FLAG_WORDS, ROW_WORDS, MAX_CHUNKS,
+                    BLOCK_ROWS, BLOCK_WORDS, True)
+    else:
+        _recv_chunk(out_ptr, out_ptr, recv_cumsum_ptr, recv_indices_ptr, ws_ptr, ws_row_stride,
+                    status_ptr, ep_rank, ep_size, max_rows, num_out_rows, tail_rows,
+                    timeout_spins, peer, tl.program_id(1) - num_chunks, num_chunks, call,
+                    FLAG_WORDS, ROW_WORDS, MAX_CHUNKS, BLOCK_ROWS, BLOCK_WORDS, ZERO_TAIL, 0,
+                    0, True)
 
 
 @triton.jit
@@ -564,6 +641,18 @@ def _receive(out, out2, recv_cumsum, recv_indices, plan, workspace, call_counter
 def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, plan, workspace,
               call_counter, status, *, zero_tail, timeout_spins, max_programs, check):
     status = _new_status(status, plan, rows.device)
+    if OVERLAP:
+        chunks = transport_chunks(plan.ep_size, max_programs)
+        num_out_rows = out.shape[0]
+        _transfer_kernel[(plan.ep_size, 2 * chunks)](
+            rows, send_cumsum, send_indices, out, recv_cumsum, recv_indices, workspace,
+            workspace.stride(0), call_counter, status, plan.ep_rank, plan.ep_size,
+            plan.max_tokens_per_rank, num_out_rows,
+            triton.cdiv(max(num_out_rows, 1), plan.ep_size * chunks), timeout_spins,
+            ZERO_TAIL=zero_tail, **_copy_constants(plan.ep_size, rows.shape[1]))
+        if check:
+            raise_on_timeout(status, plan.ep_rank)
+        return out
     chunks, constants = _send(rows, send_cumsum, send_indices, plan, workspace, call_counter,
                               max_programs, out=out, recv_cumsum=recv_cumsum,
                               recv_indices=recv_indices)

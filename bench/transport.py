@@ -35,6 +35,7 @@ from bench.stages import (Path, Stage, Unavailable, assert_same, generator, load
 LAYER_ROUTING = dict(method="deepseek_v3", num_groups=8, topk_groups=4, routed_scaling=2.5)
 ONE_SIDED = "flashinfer_one_sided"
 FUSED = "triton_fused"  # NVFP4 dispatch with the quantizer in the Triton send kernel
+OVERLAPPED = "triton_overlap"  # bf16 dispatch as one launch of send and receive programs
 # The Triton transport's target shapes (bench/targets.py), added to dispatch and combine.
 TRANSPORT_TARGET_SHAPES = [dict(tokens=t, hidden=7168, experts=32, top_k=8, routing="uniform")
                            for t in (16, 2048)]
@@ -245,6 +246,9 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         paths.append(Path(ONE_SIDED, reason="not run: the one-sided reference row sends bf16 "
                                             "rows only"))
         return paths
+    # send and receive programs in one launch (a2a.triton_transport.OVERLAP)
+    paths.append(make_path(OVERLAPPED, flag_on("a2a.triton_transport", "OVERLAP", ours("triton")),
+                           normalize=lambda out: _received(out, inputs), capture_safe=True))
 
     holder: dict = {}
 
@@ -266,25 +270,34 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     return paths + [path]
 
 
+def flag_on(module_name: str, flag: str, factory):
+    """Path factory: ``factory``'s call with the module switch ``module_name.flag`` set to True
+    around each call (restored after; a captured graph keeps what ran at capture)."""
+    def wrapped():
+        module = importlib.import_module(module_name)
+        if not hasattr(module, flag):
+            raise Unavailable(f"not available: {module_name}.{flag} is not written")
+        call = factory()
+
+        def run():
+            saved = getattr(module, flag)
+            setattr(module, flag, True)
+            try:
+                return call()
+            finally:
+                setattr(module, flag, saved)
+        return run
+    return wrapped
+
+
 def _fused_nvfp4(ctx, shape: dict, inputs: dict, x):
     """Path factory: MoEAlltoall's NVFP4 dispatch on the Triton transport with the quantizer in
-    the send kernel (the switch is a module flag, set around the call; a captured graph keeps
-    what ran at capture)."""
+    the send kernel (a2a.alltoall.FUSED_NVFP4_DISPATCH)."""
     def factory():
-        alltoall = importlib.import_module("a2a.alltoall")
-        if not hasattr(alltoall, "FUSED_NVFP4_DISPATCH"):
-            raise Unavailable("not available: a2a.alltoall.FUSED_NVFP4_DISPATCH is not written")
         a2a = _moe_alltoall(ctx, shape, "torch", "triton")
         plan = a2a.prepare(inputs["ids"][inputs["rank"]], inputs["weights"][inputs["rank"]])
-
-        def dispatch():
-            alltoall.FUSED_NVFP4_DISPATCH = True
-            try:
-                return a2a.dispatch(x, plan, quant="nvfp4", global_scale=inputs["global_scale"])
-            finally:
-                alltoall.FUSED_NVFP4_DISPATCH = False
-        return dispatch
-    return factory
+        return lambda: a2a.dispatch(x, plan, quant="nvfp4", global_scale=inputs["global_scale"])
+    return flag_on("a2a.alltoall", "FUSED_NVFP4_DISPATCH", factory)
 
 
 def _dispatch_check(out, ref, inputs, shape) -> None:

@@ -116,6 +116,10 @@ def launch_everything() -> None:
     triton_prepare.warmup(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64, top_k=8)
     triton_transport.warmup(cpu, ep_size=2, max_tokens_per_rank=64, row_bytes=7168 * 2,
                             top_k=8)
+    triton_transport.OVERLAP = True  # the one-launch transfer kernel
+    triton_transport.warmup(cpu, ep_size=2, max_tokens_per_rank=64, row_bytes=7168 * 2,
+                            top_k=8)
+    triton_transport.OVERLAP = False
     counts = torch.zeros(2, dtype=torch.int32)
     unused = torch.zeros(128, dtype=torch.int32)
     plan = AlltoallPlan(counts, unused, unused, counts, unused,

@@ -16,7 +16,8 @@ first use of FlashInfer's alltoall module JIT-builds it once).
 - MoEAlltoall (and its three MNNVL workspaces) is made, used and closed 20 times without
   leaking device memory, address reservations or file descriptors;
 - the Triton transport: 1,000 dispatch/combine iterations with fresh routing (bf16, and nvfp4
-  every 10th, also with the quantizer in the send kernel: FUSED_NVFP4_DISPATCH),
+  every 10th, also with the quantizer in the send kernel: FUSED_NVFP4_DISPATCH; another
+  bf16 dispatch every 10th as one launch of send and receive programs: OVERLAP),
   bit-identical to the torch transport on the same plan, no timeout; prepare, dispatch and
   combine captured in one CUDA graph and replayed 100 times with fresh routing and inputs,
   each replay checked. These two also run with one rank (on a 1-GPU host).
@@ -32,6 +33,7 @@ import pytest
 import torch
 
 from a2a import alltoall as alltoall_module
+from a2a import triton_transport as transport_module
 from a2a.alltoall import MoEAlltoall
 from kernels import reference
 from kernels.types import UNUSED
@@ -348,6 +350,12 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
             finally:
                 alltoall_module.FUSED_NVFP4_DISPATCH = False
             same = same and all(torch.equal(a, b) for a, b in zip(fused, want))
+        if step % 10 == 5:  # the bf16 dispatch as one launch of send and receive programs
+            transport_module.OVERLAP = True
+            try:
+                same = same and torch.equal(triton.dispatch(x, plan), recv_ref)
+            finally:
+                transport_module.OVERLAP = False
         if not same:
             mismatches.append(step)
     triton.check_transport()

@@ -632,3 +632,30 @@ def test_tune_rotating_outputs_cycle_and_stay_exact(device):
     assert len(set(pointers)) >= 2 and pointers[0] != pointers[1]
     for out in outs:
         assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+def test_flag_on_sets_the_switch_around_each_call_only():
+    """bench.transport.flag_on: the module switch is on during the path's call, restored
+    after, also when the call raises; a switch that does not exist makes the path
+    unavailable with the reason."""
+    import types
+    from bench.transport import flag_on
+    module = types.ModuleType("fake_switch_module")
+    module.SWITCH = False
+    sys.modules["fake_switch_module"] = module
+    try:
+        seen = []
+        run = flag_on("fake_switch_module", "SWITCH", lambda: lambda: seen.append(module.SWITCH))()
+        assert module.SWITCH is False
+        run()
+        assert seen == [True] and module.SWITCH is False
+
+        def boom():
+            raise RuntimeError("boom")
+        with pytest.raises(RuntimeError):
+            flag_on("fake_switch_module", "SWITCH", lambda: boom)()()
+        assert module.SWITCH is False
+        path = make_path("x", flag_on("fake_switch_module", "MISSING", lambda: lambda: None))
+        assert path.run is None and "MISSING is not written" in path.reason
+    finally:
+        del sys.modules["fake_switch_module"]

@@ -121,9 +121,13 @@ def emulate(kind, rows_per_rank, plans, ranks, max_programs, global_scale=None):
     ([6, 0, 3, 8], 3, 8, 8, 16, True, 8),        # R = 4, k not a power of two, C = 2
     ([4, 5, 1, 6], 8, 16, 6, 8, False, 4),       # R = 4, k = 8 (3+ rows summed), C = 1
 ])
+@pytest.mark.parametrize("overlap", [False, True], ids=["two_kernels", "overlap"])
 def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, experts, max_tokens,
-                                              hidden, skewed, max_programs):
+                                              hidden, skewed, max_programs, overlap):
+    """Row transfers (and the fused combine, which has one form); ``overlap``: the send and
+    receive programs in one launch (tt.OVERLAP)."""
     _interpreter_with_runtime_loops(monkeypatch)
+    monkeypatch.setattr(tt, "OVERLAP", overlap)
     ep_size = len(tokens)
     generator = torch.Generator().manual_seed(sum(tokens) * 10 + ep_size)
     row_bytes = hidden * 2  # bf16 rows
@@ -318,8 +322,11 @@ GPU_CASES = [  # (R, N, k, E, H, max_programs): R * R * C spinning programs at m
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ep_size,max_tokens,top_k,experts,hidden,max_programs", GPU_CASES)
-def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tokens, top_k,
-                                                        experts, hidden, max_programs):
+@pytest.mark.parametrize("overlap", [False, True], ids=["two_kernels", "overlap"])
+def test_simulated_ranks_equal_reference_over_100_calls(monkeypatch, device, ep_size,
+                                                        max_tokens, top_k, experts, hidden,
+                                                        max_programs, overlap):
+    monkeypatch.setattr(tt, "OVERLAP", overlap)
     generator = torch.Generator().manual_seed(ep_size * 100 + hidden)
     row_bytes = hidden * 2
     tt.warmup(device, ep_size=ep_size, max_tokens_per_rank=max_tokens, row_bytes=row_bytes,
