@@ -51,9 +51,10 @@ tensor). Rank q's row, for rows of B bytes (B % 16 == 0) and N = max_tokens_per_
 
     flags [R, MAX_CHUNKS] int64       flag[s, chunk]: last call whose chunk ``chunk`` source s
                                       delivered, as c + 1 (0 = never)
-    arrivals int64                    this rank's receive programs that have read the call
-                                      number (local use only; back to 0 after every call);
-                                      flags and arrivals padded to 128 bytes
+    arrivals int64                    this rank's programs that have read the call number
+                                      (the receive kernel's, or all of _transfer_kernel's;
+                                      local use only; back to 0 after every call); flags
+                                      and arrivals padded to 128 bytes
     area  [R][2][N][B] bytes          area[s][p]: the rows s sent in a call of parity p
 
 One workspace carries one kind of transfer (dispatch or combine) of one row size: its calls
@@ -64,7 +65,8 @@ The call counter lives on the device
 ``call_counter`` ([1] int64, local, zeroed with the workspace): both kernels read c from it,
 and the receive kernel advances it: each of its programs counts itself in ``arrivals`` after
 reading c, and the last one to arrive (every program has then read c) sets the counter to
-c + 1 and ``arrivals`` back to 0; the next transfer's kernels run after it on the stream. No
+c + 1 and ``arrivals`` back to 0; the next transfer's kernels run after it on the stream
+(with ``OVERLAP`` the one kernel's send programs count themselves in as well). No
 call index comes from the host and no extra launch increments it, so a CUDA graph that
 captures a transfer stays right at every replay (each replay is a new call). Every rank must
 run the same sequence of transfers on a workspace.
