@@ -48,7 +48,8 @@ QUANT_FORMATS = ("nvfp4", "mxfp8")
 # dispatch(quant="nvfp4") on the Triton transport with the Triton quantizer and H % 64 == 0:
 # quantize inside the send kernel (``triton_transport.triton_dispatch_nvfp4``, one transfer)
 # instead of quantizing locally and moving codes and scales as two transfers. Off by default:
-# bit-exact in the CPU emulation tests, not yet run on a GPU.
+# bit-exact in the CPU emulation and on one H200 (simulated ranks, the 1-rank soak), not yet
+# run across two GPUs nor timed there.
 FUSED_NVFP4_DISPATCH = False
 
 

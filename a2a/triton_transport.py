@@ -430,7 +430,7 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
         target = _send_targets(recv_indices_ptr, recv_start, rows, row_ok, local)
         for block0 in range(0, num_blocks, BLOCKS):
             w = _load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
-            _nvfp4_tile(w[0], w[1], w[2], w[3], global_scale, codes + target * code_stride,
+            _nvfp4_tile(w[0], w[1], global_scale, codes + target * code_stride,
                         scale_bytes + target * scale_stride, rows, block0, end, num_blocks,
                         end, num_blocks, IN_KIND, 0, False, WORD_ASM, BLOCK_ROWS, BLOCKS, "")
     _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
@@ -627,6 +627,11 @@ def _send(rows, send_cumsum, send_indices, plan, workspace, call_counter, max_pr
     return chunks, constants
 
 
+def _tail_rows(num_out_rows: int, plan: AlltoallPlan, chunks: int) -> int:
+    """Output rows per receive program (R x chunks of them) for zeroing the output's tail."""
+    return triton.cdiv(max(num_out_rows, 1), plan.ep_size * chunks)
+
+
 def _receive(out, out2, recv_cumsum, recv_indices, plan, workspace, call_counter, status,
              chunks, *, timeout_spins, check, **constants):
     """Launch the receive kernel (grid R x chunks; with ZERO_TAIL the output rows past the
@@ -635,7 +640,7 @@ def _receive(out, out2, recv_cumsum, recv_indices, plan, workspace, call_counter
     _recv_kernel[(plan.ep_size, chunks)](
         out, out2, recv_cumsum, recv_indices, workspace, workspace.stride(0), call_counter,
         status, plan.ep_rank, plan.ep_size, plan.max_tokens_per_rank, num_out_rows,
-        triton.cdiv(max(num_out_rows, 1), plan.ep_size * chunks), timeout_spins, **constants)
+        _tail_rows(num_out_rows, plan, chunks), timeout_spins, **constants)
     if check:
         raise_on_timeout(status, plan.ep_rank)
 
@@ -645,13 +650,11 @@ def _transfer(rows, out, send_cumsum, send_indices, recv_cumsum, recv_indices, p
     status = _new_status(status, plan, rows.device)
     if OVERLAP:
         chunks = transport_chunks(plan.ep_size, max_programs)
-        num_out_rows = out.shape[0]
         _transfer_kernel[(plan.ep_size, 2 * chunks)](
             rows, send_cumsum, send_indices, out, recv_cumsum, recv_indices, workspace,
             workspace.stride(0), call_counter, status, plan.ep_rank, plan.ep_size,
-            plan.max_tokens_per_rank, num_out_rows,
-            triton.cdiv(max(num_out_rows, 1), plan.ep_size * chunks), timeout_spins,
-            ZERO_TAIL=zero_tail, **_copy_constants(plan.ep_size, rows.shape[1]))
+            plan.max_tokens_per_rank, out.shape[0], _tail_rows(out.shape[0], plan, chunks),
+            timeout_spins, ZERO_TAIL=zero_tail, **_copy_constants(plan.ep_size, rows.shape[1]))
         if check:
             raise_on_timeout(status, plan.ep_rank)
         return out

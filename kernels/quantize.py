@@ -63,10 +63,12 @@ INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
 LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # constexpr LAYOUT
 # Launch rules, from ``python -m bench.tune`` on an H200 ([8192, 7168] bf16, graph replay after
 # an L2 flush; runs in bench/results/tune-nvidia-h200-*). NVFP4 (2026-12-01): 2048-element
-# tiles (2 rows x 64 blocks) on 4 warps, one block per thread, 8 tiles per program, loading 2
-# ahead: 40.5-40.7 us linear (1 ahead: 41.2-41.3; 4096 elements on 8 warps, 2 ahead: 40.6-42.3;
-# 2 blocks per thread: 49-60; a persistent grid, a register cap of 40, L2 prefetches or
-# evict-first loads: slower). MXFP8 (and the dequantizers) 4096 / 32 / 4: 46.7-47.5 us.
+# tiles (2 rows x 64 blocks) on 4 warps, one block per thread, 8 tiles per program, loading 3
+# ahead (T043501: 40.1 us linear; 2 ahead 40.5, 1 ahead 41.2-41.3; 4096 elements on 8 warps:
+# 40.6-42.3; 2 blocks per thread: 49-60; a persistent grid, register caps, L2 prefetches,
+# evict-first loads, row-group tiles for swizzled scales: slower); packed stores evict_last
+# (T062536: 36.5 us linear, 37.1 swizzled). MXFP8 (and the dequantizers) 4096 / 32 / 4:
+# 46.7-47.5 us.
 NVFP4_TILE_ELEMENTS = 2048
 NVFP4_MAX_BLOCKS = 64  # 64 NVFP4 blocks = 1024 columns = 2 KiB of bf16 per row
 NVFP4_NUM_WARPS = 4
@@ -462,7 +464,7 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
         if step + PREFETCH < STEPS:  # the tile PREFETCH steps ahead, in flight meanwhile
             new = _load_halves(in_ptrs, row_ok, block_start + (step + PREFETCH) * BLOCKS,
                                num_blocks, BLOCKS)
-        _nvfp4_tile(cur[0], cur[1], cur[2], cur[3], global_scale, out_ptrs, scale_ptrs, rows,
+        _nvfp4_tile(cur[0], cur[1], global_scale, out_ptrs, scale_ptrs, rows,
                     block_start + step * BLOCKS, num_rows, num_blocks, padded_rows,
                     padded_blocks, IN_KIND, LAYOUT, FAST_MATH, WORD_ASM, BLOCK_ROWS, BLOCKS,
                     STORE_POLICY)
@@ -483,15 +485,14 @@ def _nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scale
 
 @triton.jit
 def _load_halves(in_ptrs, row_ok, block_start, num_blocks, BLOCKS: tl.constexpr):
-    """(words of half 0, words of half 1, their offsets) of NVFP4 blocks [block_start,
-    +BLOCKS) (``_load_words``)."""
-    w0, words0 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 8, 4)
-    w1, words1 = _load_words(in_ptrs, row_ok, block_start, num_blocks, 4, BLOCKS, 8, 4)
-    return w0, w1, words0, words1
+    """(words of half 0, words of half 1) of NVFP4 blocks [block_start, +BLOCKS)
+    (``_load_words``)."""
+    return (_load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 8, 4)[0],
+            _load_words(in_ptrs, row_ok, block_start, num_blocks, 4, BLOCKS, 8, 4)[0])
 
 
 @triton.jit
-def _nvfp4_tile(w0, w1, words0, words1, global_scale, out_ptrs, scale_ptrs, rows,
+def _nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
                 block_start, num_rows, num_blocks, padded_rows, padded_blocks,
                 IN_KIND: tl.constexpr, LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                 WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr,
