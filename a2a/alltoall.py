@@ -16,7 +16,7 @@ construction through ``a2a.backends.resolve``:
 and, for ``dispatch(quant=...)``, the ``quantize`` stage. Any prepare works with any transport:
 the plan is the contract (design.md, "prepare contract").
 
-Combine's reduction over k has one order (``kernels.reference.sum_slots_in_order``: float32,
+Combine's reduction over k has one order (``kernels.reduce.sum_slots_in_order``: float32,
 slot order, rounded once to the payload dtype): the flashinfer and torch transports scatter the
 returned rows into zeros ``[T*k, H]`` (FlashInfer's layout) and reduce with
 :func:`sum_over_slots`; the Triton transport does the same adds in its receive kernel. So the
@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from a2a.backends import BackendUnavailable, resolve
 from kernels.types import AlltoallPlan
-from kernels.validate import check_expert_ids, check_tensor, check_top_k
+from kernels.spec.prepare import PREPARE_MAX_TOP_K
+from kernels.spec.tensors import check_expert_ids, check_tensor, check_top_k
 
 # Stages a MoEAlltoall runs, and the keys its ``backends`` dict may hold.
 STAGES = ("prepare", "transport", "quantize")
@@ -63,9 +64,9 @@ def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 def sum_over_slots(scattered: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Combine's reduction: [T*k, H] rows -> [T, H], summed over k in float32 in slot order
-    (``kernels.reference.sum_slots_in_order``, the order the Triton transport's fused reduction
+    (``kernels.reduce.sum_slots_in_order``, the order the Triton transport's fused reduction
     repeats) and rounded once to the dtype of ``scattered``."""
-    from kernels.reference import sum_slots_in_order
+    from kernels.reduce import sum_slots_in_order
     rows = scattered.view(num_tokens, top_k, scattered.shape[1])
     return sum_slots_in_order(rows).to(scattered.dtype)
 
@@ -170,7 +171,6 @@ class MoEAlltoall:
             raise ValueError(f"slot_count={self.slot_count!r} must be an int >= num_experts="
                              f"{self.num_experts} and a multiple of the group size "
                              f"{self.ep_size}; leave it None for S = E")
-        from kernels.reference import PREPARE_MAX_TOP_K
         check_top_k(self.top_k, self.slot_count, limit=PREPARE_MAX_TOP_K,
                     limit_reason="FlashInfer's moe_prepare and the contract")
         if self.backends["prepare"] == "flashinfer":

@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 from typing import Callable, Optional
 
 import torch
 
+from kernels.hardware import interpreting
+
 STAGES = ("routing", "permute", "prepare", "quantize", "transport")
 BACKENDS = ("triton", "flashinfer", "torch")
 ENV_VAR = "MOE_A2A_BACKENDS"
+logger = logging.getLogger("a2a")
 
 # What "auto" tries, in order. FlashInfer comes after Triton: it is the comparison path, and its
 # fp4 quantizer silently writes nothing below SM100 (see ``_quantize_flashinfer``).
@@ -57,7 +61,7 @@ class BackendUnavailable(RuntimeError):
 
 def triton_interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return interpreting()
 
 
 def flashinfer_installed() -> bool:
@@ -231,12 +235,13 @@ def resolve(stage: str, backend: Optional[str], device, **context) -> str:
     device = torch.device(device)
     requested = backend if backend is not None else default_backends()[stage]
     if requested == "auto":
-        for candidate in AUTO_ORDER[stage]:
-            if why_unavailable(stage, candidate, device, **context) is None:
-                return candidate
-        return "torch"
+        chosen = next((candidate for candidate in AUTO_ORDER[stage]
+                       if why_unavailable(stage, candidate, device, **context) is None), "torch")
+        logger.debug("%s: %r -> %s (on %s)", stage, requested, chosen, device)
+        return chosen
     reason = why_unavailable(stage, requested, device, **context)
     if reason is None:
+        logger.debug("%s: %r -> %s (on %s)", stage, requested, requested, device)
         return requested
     can = available_backends(stage, device, **context)
     raise BackendUnavailable(

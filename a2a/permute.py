@@ -17,24 +17,19 @@ A local expert step on a rank that owns experts ``[first, first + E_local)``::
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Optional, Union
 
 import torch
 
 from a2a.backends import resolve
+from kernels import reference
 from kernels.types import Permutation
 
-# The module holding each backend's functions (imported when first chosen: "triton" imports
-# triton, which must see TRITON_INTERPRET, when set, before its first import).
-_MODULES = {"triton": "kernels.permute", "torch": "kernels.reference"}
 
-
-def _implementation(backend: Optional[str], tensor: torch.Tensor, name: str) -> ModuleType:
+def _resolve(backend: Optional[str], tensor: torch.Tensor, name: str) -> str:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    return importlib.import_module(_MODULES[resolve("permute", backend, tensor.device)])
+    return resolve("permute", backend, tensor.device)
 
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
@@ -61,10 +56,12 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, all int32 on ``topk_ids``' device,
         ``P = T*k + E_local*(align - 1)``. Both backends give identical buffers.
     """
-    impl = _implementation(backend, topk_ids, "topk_ids")
-    return impl.permute_by_expert(topk_ids, num_experts, first_expert=first_expert,
-                                  num_local_experts=num_local_experts, align=align,
-                                  check_ids=check_ids)
+    if _resolve(backend, topk_ids, "topk_ids") == "triton":
+        from kernels.permute import permute_by_expert as run
+    else:
+        run = reference.permute_by_expert
+    return run(topk_ids, num_experts, first_expert=first_expert,
+               num_local_experts=num_local_experts, align=align, check_ids=check_ids)
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
@@ -83,8 +80,11 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.T
     Returns:
         out [P, W] in ``x``'s dtype, or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
     """
-    impl = _implementation(backend, x, "x")
-    return impl.gather_rows(x, rows, scales=scales, top_k=top_k)
+    if _resolve(backend, x, "x") == "triton":
+        from kernels.gather import gather_rows as run
+    else:
+        run = reference.gather_rows
+    return run(x, rows, scales=scales, top_k=top_k)
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
@@ -103,5 +103,8 @@ def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
     Returns:
         out: [T, H] in ``expert_out``'s dtype (zero rows for tokens with no owned slot).
     """
-    impl = _implementation(backend, expert_out, "expert_out")
-    return impl.unpermute_and_reduce(expert_out, permutation, topk_weights)
+    if _resolve(backend, expert_out, "expert_out") == "triton":
+        from kernels.gather import unpermute_and_reduce as run
+    else:
+        run = reference.unpermute_and_reduce
+    return run(expert_out, permutation, topk_weights)

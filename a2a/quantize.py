@@ -27,6 +27,8 @@ import torch
 from a2a.backends import resolve
 from kernels import quantize as triton_quantize
 from kernels import reference
+from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, check_layout, check_quant_input,
+                                check_swizzle_args, swizzled_scale_shape)
 
 STAGE = "quantize"
 _FAST_MATH_ENV = "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH"
@@ -39,28 +41,27 @@ _FAST_MATH_ENV = "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH"
 def _flashinfer_quantize_nvfp4(x, global_scale, *, layout="linear", fast_math=False):
     import flashinfer
 
-    reference._check_quant_input(x, reference.NVFP4_BLOCK)
-    reference._check_layout(layout)
+    check_quant_input(x, NVFP4_BLOCK)
+    check_layout(layout)
     previous = os.environ.get(_FAST_MATH_ENV)
     os.environ[_FAST_MATH_ENV] = "0" if fast_math else "1"
     try:
         packed, scales = flashinfer.fp4_quantize(
-            x, global_scale, sf_vec_size=reference.NVFP4_BLOCK, sf_use_ue8m0=False,
+            x, global_scale, sf_vec_size=NVFP4_BLOCK, sf_use_ue8m0=False,
             is_sf_swizzled_layout=layout != "linear", is_sf_8x4_layout=layout == "8x4")
     finally:
         if previous is None:
             del os.environ[_FAST_MATH_ENV]
         else:
             os.environ[_FAST_MATH_ENV] = previous
-    shape = reference.swizzled_scale_shape(x.shape[0], x.shape[1] // reference.NVFP4_BLOCK,
-                                           layout)
+    shape = swizzled_scale_shape(x.shape[0], x.shape[1] // NVFP4_BLOCK, layout)
     return packed.view(torch.uint8), scales.view(torch.uint8).reshape(shape)
 
 
 def _flashinfer_quantize_mxfp8(x):
     import flashinfer
 
-    reference._check_quant_input(x, reference.MX_BLOCK)
+    check_quant_input(x, MX_BLOCK)
     values, scales = flashinfer.mxfp8_quantize(x, is_sf_swizzled_layout=False)
     return values, scales.view(torch.uint8).reshape(x.shape[0], -1)
 
@@ -68,8 +69,8 @@ def _flashinfer_quantize_mxfp8(x):
 def _flashinfer_quantize_mxfp4(x):
     import flashinfer
 
-    reference._check_quant_input(x, reference.MX_BLOCK)
-    packed, scales = flashinfer.fp4_quantize(x, None, sf_vec_size=reference.MX_BLOCK,
+    check_quant_input(x, MX_BLOCK)
+    packed, scales = flashinfer.fp4_quantize(x, None, sf_vec_size=MX_BLOCK,
                                              sf_use_ue8m0=True, is_sf_swizzled_layout=False)
     return packed.view(torch.uint8), scales.view(torch.uint8).reshape(x.shape[0], -1)
 
@@ -80,8 +81,8 @@ def _flashinfer_swizzle_scales(sf, layout):
     if layout != "swizzled_128x4":
         raise ValueError(f"FlashInfer's block_scale_interleave makes only the 'swizzled_128x4' "
                          f"layout; got layout={layout!r} (use backend='triton')")
-    reference.check_tensor("sf", sf, dtype=torch.uint8, ndim=2)
-    shape = reference.swizzled_scale_shape(sf.shape[0], sf.shape[1], layout)
+    check_swizzle_args(sf, layout)
+    shape = swizzled_scale_shape(sf.shape[0], sf.shape[1], layout)
     return flashinfer.block_scale_interleave(sf).reshape(shape)
 
 

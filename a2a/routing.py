@@ -12,7 +12,7 @@ import torch
 
 from a2a.backends import resolve
 from kernels import reference
-from kernels.reference import check_routing_args
+from kernels.spec.routing import check_routing_args
 
 # FlashInfer 0.7.2 fused_topk_deepseek limits (csrc/fused_moe/noAuxTcKernels.cu, kernel
 # deepseek_v3_topk_kernel): one CTA per token, 256 threads, one warp per group, a warp-level
@@ -25,8 +25,8 @@ FI_MAX_TOPK_GROUPS = 4          # MaxNumTopGroups: the final top-k reads at most
 FI_MAX_KEPT_EXPERTS = 128       # MaxNumExpertsUnit: experts_per_group * topk_groups
 
 
-def _check_flashinfer_limits(num_experts: int, top_k: int, num_groups: int,
-                             topk_groups: int) -> None:
+def check_flashinfer_limits(num_experts: int, top_k: int, num_groups: int,
+                            topk_groups: int) -> None:
     """Raise ValueError for shapes fused_topk_deepseek cannot route correctly. Some of these it
     checks itself; others (num_groups > 8, topk_groups > 4) it would silently get wrong."""
     way_out = "use backend='triton' or 'torch'"
@@ -56,8 +56,8 @@ def _check_flashinfer_limits(num_experts: int, top_k: int, num_groups: int,
                              f"dropped; {way_out}")
 
 
-def _route_topk_flashinfer(logits: torch.Tensor, top_k: int, method: str, *, bias=None,
-                           num_groups=None, topk_groups=None, routed_scaling: float = 1.0):
+def route_topk_flashinfer(logits: torch.Tensor, top_k: int, method: str, *, bias=None,
+                          num_groups=None, topk_groups=None, routed_scaling: float = 1.0):
     """FlashInfer adapter: ``flashinfer.fused_moe.fused_topk_deepseek`` (SM89+), DeepSeek-V3
     only. Same arguments and results as ``kernels.reference.route_topk``.
 
@@ -78,7 +78,7 @@ def _route_topk_flashinfer(logits: torch.Tensor, top_k: int, method: str, *, bia
             f"method={method!r}: the FlashInfer routing adapter wraps only fused_topk_deepseek "
             f"(method='deepseek_v3'); use backend='triton' or 'torch'")
     num_tokens, num_experts = logits.shape
-    _check_flashinfer_limits(num_experts, top_k, num_groups, topk_groups)
+    check_flashinfer_limits(num_experts, top_k, num_groups, topk_groups)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     if num_tokens == 0:
@@ -97,7 +97,7 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
     Args:
         logits: [T, E] float32, bfloat16 or float16, the router logits.
         top_k: k, experts per token, 1 <= k <= min(E, 32) (FlashInfer: k <= 8).
-        method: one of ``kernels.reference.ROUTING_METHODS``: ``softmax_topk``,
+        method: one of ``kernels.spec.ROUTING_METHODS``: ``softmax_topk``,
             ``softmax_topk_renorm``, ``topk_softmax``, ``sigmoid_topk``,
             ``sigmoid_topk_renorm``, ``deepseek_v3``, ``llama4``.
         bias: [E] float32, DeepSeek-V3's selection bias; required for ``deepseek_v3`` only.
@@ -117,7 +117,7 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
     if chosen == "triton":
         from kernels.routing import route_topk as run
     elif chosen == "flashinfer":
-        run = _route_topk_flashinfer
+        run = route_topk_flashinfer
     else:
         run = reference.route_topk
     return run(logits, top_k, method, bias=bias, num_groups=num_groups, topk_groups=topk_groups,

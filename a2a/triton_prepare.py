@@ -76,9 +76,9 @@ import triton
 import triton.language as tl
 
 from kernels.prepare import carve, launch_local_plan, raise_on_bad_ids
-from kernels.reference import check_prepare_inputs
+from kernels.spec.prepare import check_prepare_inputs
+from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan
-from kernels.validate import check_tensor
 
 # The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
 UNUSED_ID = tl.constexpr(UNUSED)

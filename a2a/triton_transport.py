@@ -40,7 +40,7 @@ into zeros ``[T*k, B]``, reduced by the caller (``a2a.alltoall.sum_over_slots``)
 ``triton_combine`` (what ``MoEAlltoall`` uses): ``_slot_map_kernel`` records where each slot's
 row comes back, and ``_reduce_kernel`` waits for every (source, chunk) flag and sums each
 token's k slots straight from the inbox, in slot order in float32 (the adds of
-``kernels.reference.sum_slots_in_order``), so the result is bit-identical to the other
+``kernels.reduce.sum_slots_in_order``), so the result is bit-identical to the other
 transports without the ``[T*k, B]`` buffer.
 
 The workspace
@@ -109,10 +109,10 @@ import triton
 import triton.language as tl
 
 from a2a.triton_prepare import TIMEOUT_SPINS, advance_call, timed_out_sources, wait_for_flags
-from kernels.permute import _round_to
-from kernels.quantize import _load_halves, _nvfp4_tile
+from kernels.casting import round_to
+from kernels.quantize_details.nvfp4 import load_halves, nvfp4_tile
+from kernels.spec.tensors import check_tensor
 from kernels.types import AlltoallPlan
-from kernels.validate import check_tensor
 
 # Rows move as 32-bit words; a row must be a whole number of 16-byte vectors (as FlashInfer's
 # moe_comm requires), so every dtype (bf16, packed nvfp4, scale bytes) moves bit-exactly.
@@ -429,10 +429,10 @@ def _send_nvfp4_kernel(words_ptr, stride_row, global_scale_ptr, cumsum_ptr, indi
         in_ptrs = words_ptr + source * stride_row
         target = _send_targets(recv_indices_ptr, recv_start, rows, row_ok, local)
         for block0 in range(0, num_blocks, BLOCKS):
-            w = _load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
-            _nvfp4_tile(w[0], w[1], global_scale, codes + target * code_stride,
-                        scale_bytes + target * scale_stride, rows, block0, end, num_blocks,
-                        end, num_blocks, IN_KIND, 0, False, WORD_ASM, BLOCK_ROWS, BLOCKS, "")
+            w = load_halves(in_ptrs, row_ok, block0, num_blocks, BLOCKS)
+            nvfp4_tile(w[0], w[1], global_scale, codes + target * code_stride,
+                       scale_bytes + target * scale_stride, rows, block0, end, num_blocks,
+                       end, num_blocks, IN_KIND, 0, False, WORD_ASM, BLOCK_ROWS, BLOCKS, "")
     _publish(ws_ptr, ws_row_stride, peer, ep_rank, chunk, call, MAX_CHUNKS)
 
 
@@ -516,7 +516,7 @@ def _reduce_kernel(out_ptr, slot_map_ptr, ws_ptr, ws_row_stride, counter_ptr, st
                              cache_modifier=".cg")
             acc = acc + values.to(tl.float32)
         tl.store(out_ptr + tokens.to(tl.int64)[:, None] * ROW_ELEMS + elems[None, :],
-                 _round_to(acc, out_ptr.dtype.element_ty),
+                 round_to(acc, out_ptr.dtype.element_ty),
                  mask=token_ok[:, None] & elem_ok[None, :])
         tile += tl.num_programs(0)
 
@@ -759,8 +759,9 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
     order, rows past total_recv 0: ``quantize_nvfp4`` of the rows :func:`triton_dispatch_rows`
     would deliver.
     """
-    from kernels.quantize import _as_pairs, _word_asm
-    from kernels.reference import _check_global_scale
+    from kernels.quantize import DEFAULT_NVFP4, nvfp4_word_asm
+    from kernels.quantize_details.words import as_pairs
+    from kernels.spec.quant import check_global_scale
     check_tensor("x", x, dtype=NVFP4_DTYPES, ndim=2)
     if x.shape[0] != plan.num_tokens:
         raise ValueError(f"x has {x.shape[0]} rows, expected plan.num_tokens={plan.num_tokens}")
@@ -769,12 +770,12 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
         raise ValueError(f"x has H={hidden} columns; the fused NVFP4 dispatch needs H % 64 == 0 "
                          f"(its scale rows, H/16 bytes, move as whole 32-bit words): quantize "
                          f"first and dispatch codes and scales as two transfers instead")
-    _check_global_scale(global_scale, x.device)
+    check_global_scale(global_scale, x.device)
     row_bytes = nvfp4_row_bytes(hidden)
     _check_state(plan, workspace, call_counter, status, row_bytes, x.device)
     ep_size, max_rows = plan.ep_size, plan.max_tokens_per_rank
     status = _new_status(status, plan, x.device)
-    words, stride_row, in_kind = _as_pairs(x)
+    words, stride_row, in_kind = as_pairs(x)
     chunks = transport_chunks(ep_size, max_programs)
     blocks = min(NVFP4_SEND_BLOCKS, triton.next_power_of_2(hidden // 16))
     block_rows = max(1, NVFP4_SEND_TILE // blocks)
@@ -788,8 +789,8 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
         plan.ep_rank, max_rows, hidden, packed, scales, plan.recv_rank_count_cumsum,
         plan.recv_rank_local_indices, FLAG_WORDS=constants["FLAG_WORDS"], ROW_BYTES=row_bytes,
         MAX_CHUNKS=MAX_CHUNKS, IN_KIND=in_kind,
-        WORD_ASM=_word_asm(x.device, in_kind, False, stride_row), BLOCK_ROWS=block_rows,
-        BLOCKS=blocks, num_warps=NVFP4_SEND_WARPS, enable_fp_fusion=False)
+        WORD_ASM=nvfp4_word_asm(x.device, in_kind, False, stride_row, DEFAULT_NVFP4),
+        BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=NVFP4_SEND_WARPS, enable_fp_fusion=False)
     _receive(packed, scales, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices, plan,
              workspace, call_counter, status, chunks, timeout_spins=timeout_spins, check=check,
              ZERO_TAIL=True, SPLIT_WORDS=hidden // 8, OUT2_WORDS=hidden // 64,
@@ -812,7 +813,7 @@ def triton_combine(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tens
     The rows travel exactly as in :func:`triton_combine_rows` (same workspace layout, flags and
     counter), but instead of scattering them into ``[T*k, B]`` zeros the receive kernel sums,
     per token, the rows of its k slots in slot order in float32 and rounds once to ``dtype``:
-    the adds of ``kernels.reference.sum_slots_in_order``, so the result is bit-identical to
+    the adds of ``kernels.reduce.sum_slots_in_order``, so the result is bit-identical to
     ``sum_over_slots(triton_combine_rows(...))`` and to the other transports. No ``[T*k, B]``
     buffer is written or read.
 

@@ -4,8 +4,8 @@ quantize kernel (``python -m bench.tune --only nvfp4`` times it beside the kerne
 ``nvfp4_traffic(x)`` reads a [M, H] bf16/fp16 tensor the way ``kernels.quantize`` does (16-byte
 loads, one 16-element block per thread and tile) and writes what NVFP4 writes: 8 bytes per
 block (the xor of the block's two halves, truncated) and one byte per block, so it moves
-exactly 2.5625 * M * H bytes, the 8-byte stores with the L2 eviction priority of the
-variant (the quantizer's is ``kernels.quantize.NVFP4_STORE_POLICY``). Its best time is what the
+exactly 2.5625 * M * H bytes, the 8-byte stores with the L2 eviction priority of the variant
+(the quantizer's is ``kernels.quantize.NVFP4Launch.store_policy``). Its best time is what the
 quantizer could reach if its arithmetic were free; the result is meaningless data.
 """
 
@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quantize import _store_bytes
+from kernels.hardware import can_run_ptx
+from kernels.quantize_details.words import store_bytes
 
 # (rows per tile, warps, tiles per program along a row, L2 eviction priority of the 8-byte
 # stores): one 16-element block per thread
@@ -42,9 +43,9 @@ def _traffic_kernel(x_ptr, out_ptr, scales_ptr, num_rows, hidden,
         tl.store(out_ptrs[:, None, None] + (blocks * 4)[None, :, None]
                  + tl.arange(0, 4)[None, None, :], mixed.to(tl.int16), mask=mask,
                  eviction_policy=STORE_POLICY)
-        _store_bytes(scales_ptr + rows[:, None] * num_blocks + blocks[None, :],
-                     tl.max(mixed, axis=2), row_ok[:, None] & (blocks < num_blocks)[None, :],
-                     ASM)
+        store_bytes(scales_ptr + rows[:, None] * num_blocks + blocks[None, :],
+                    tl.max(mixed, axis=2), row_ok[:, None] & (blocks < num_blocks)[None, :],
+                    ASM)
 
 
 def nvfp4_traffic(x: torch.Tensor, variant: tuple = FLOOR_VARIANTS[0]):
@@ -63,5 +64,5 @@ def nvfp4_traffic(x: torch.Tensor, variant: tuple = FLOOR_VARIANTS[0]):
             triton.cdiv(triton.cdiv(hidden // 16, blocks), steps))
     _traffic_kernel[grid](x.view(torch.int32), out.view(torch.int16), scales, num_rows, hidden,
                           BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps,
-                          ASM=x.is_cuda, STORE_POLICY=policy, num_warps=warps)
+                          ASM=can_run_ptx(x.device), STORE_POLICY=policy, num_warps=warps)
     return out, scales

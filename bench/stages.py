@@ -20,13 +20,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-# Float outputs are compared with this table (the tests' table, tests/support.py); index outputs
-# and quantized codes / scales exactly.
-TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=1e-3, rtol=1e-3),
-    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
-}
+# Float outputs are compared with the library's one table; index outputs and quantized codes /
+# scales exactly.
+from kernels.spec import FLOAT_TOLERANCES as TOLERANCES  # noqa: E402
 # Routing weights of FlashInfer's fused kernels are computed in another order (fast exp, other
 # summation order): compared a little looser than fp32 round-off.
 ROUTING_WEIGHT_TOL = dict(atol=1e-4, rtol=1e-4)

@@ -1,8 +1,8 @@
 """``python -m bench.tune``: time the launch-rule variants of the Triton kernels on one GPU.
 
-The launch rules of the quantize and routing kernels are module constants (``kernels.quantize``:
-NVFP4_*, TILE_ELEMENTS, MAX_BLOCKS_PER_PROGRAM, NUM_WARPS, AMAX_*; ``kernels.routing``: the
-rows per program, warps and COMPACT mode, through ``_launch``'s overrides). This tool sets
+The launch rules of the quantize and routing kernels are frozen launch configs
+(``kernels.quantize.NVFP4Launch``, ``BlockLaunch``, ``AmaxLaunch``;
+``kernels.routing.RoutingLaunch``) that each launcher takes as ``launch=``. This tool passes
 each variant in turn, checks its output bit for bit against the torch oracle (routing: the
 ids), and times it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize
 with an L2 flush before each call), next to FlashInfer where it has the op. The committed
@@ -20,12 +20,12 @@ the previous call's writes drain during the next one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
 import os
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,33 +40,36 @@ BIG, SMALL = (8192, 7168), (128, 7168)
 
 @dataclass
 class Case:
-    """One op on one shape: ``run(knobs)`` returns the output tensors for a variant's knobs,
-    ``expected`` the oracle's; ``graph``: plain CUDA-graph replay, else replay with an L2 flush
-    before each call."""
+    """One op on one shape: ``run(launch)`` returns the output tensors for a launch config
+    (None: the launcher's default), ``expected`` the oracle's; ``graph``: plain CUDA-graph
+    replay, else replay with an L2 flush before each call."""
 
     name: str
-    run: Callable[[dict], tuple]
+    run: Callable[[object], tuple]
     expected: Callable[[], tuple]
-    variants: list[dict]
+    variants: list  # launch configs; None is the default rule
     graph: bool = False
     others: dict[str, Callable[[], object]] = field(default_factory=dict)  # e.g. FlashInfer
 
 
-@contextmanager
-def _module_constants(module, values: dict):
-    """Set ``module.NAME = value`` for the constants in ``values``, restore them after."""
-    saved = {name: getattr(module, name) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+def _grid(config_type, **axes) -> list:
+    """One ``config_type`` per combination of the axes' values (the other fields default)."""
+    return [config_type(**dict(zip(axes, combo))) for combo in itertools.product(*axes.values())]
 
 
-def _grid(**axes) -> list[dict]:
-    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+def variant_label(launch) -> str:
+    """The fields of a launch config that differ from its type's defaults ("default" if none)."""
+    if launch is None:
+        return "default"
+    default = type(launch)()
+    changed = [f"{f.name}={getattr(launch, f.name)}" for f in dataclasses.fields(launch)
+               if getattr(launch, f.name) != getattr(default, f.name)]
+    return ",".join(changed) or "default"
+
+
+def _with_launch(fn):
+    """``fn(launch=config)`` for a config, ``fn()`` for None (the launcher's default rule)."""
+    return lambda launch: fn() if launch is None else fn(launch=launch)
 
 
 def _quantize_cases(device) -> list[Case]:
@@ -74,22 +77,22 @@ def _quantize_cases(device) -> list[Case]:
     from kernels import quantize as Q
     from kernels import reference as R
     generator = torch.Generator(device="cpu").manual_seed(SEED)
-    tiles = [dict()] + _grid(TILE_ELEMENTS=[2048, 4096, 8192, 16384], NUM_WARPS=[4, 8],
-                             MAX_BLOCKS_PER_PROGRAM=[32, 64])
-    # NVFP4: a thread holds one block per tile (TILE_ELEMENTS = 16 * 32 * NUM_WARPS)
+    tiles = [None] + _grid(Q.BlockLaunch, tile_elements=[2048, 4096, 8192, 16384],
+                           num_warps=[4, 8], max_blocks=[32, 64])
+    # NVFP4: a thread holds one block per tile (tile_elements = 16 * 32 * num_warps);
     # steps: tiles per program along a row (7 tiles cover a 7168-wide row)
-    nvfp4_tiles = [dict()] + [
-        dict(NVFP4_MAX_BLOCKS=64, NVFP4_STEPS=steps, NVFP4_TILE_ELEMENTS=tile,
-             NVFP4_NUM_WARPS=warps, NVFP4_PREFETCH=prefetch, NVFP4_MAXNREG=maxnreg)
+    nvfp4_tiles = [None] + [
+        Q.NVFP4Launch(max_blocks=64, steps=steps, tile_elements=tile, num_warps=warps,
+                      prefetch=prefetch, maxnreg=maxnreg)
         for tile, warps, prefetch, maxnreg, steps in (
             (2048, 4, 2, None, 8), (2048, 4, 1, None, 8), (2048, 4, 3, None, 8),
             (2048, 4, 3, 64, 8), (1024, 2, 2, None, 8), (1024, 2, 3, None, 8),
             (4096, 8, 2, None, 8), (4096, 8, 3, None, 8), (2048, 4, 2, None, 4))]
-    # the packed stores' L2 eviction priority (NVFP4_STORE_POLICY)
-    policies = [dict(NVFP4_STORE_POLICY=policy) for policy in ("", "evict_first")]
-    # AMAX_PROGRAMS_PER_SM = 2**20: one tile per program (no persistent loop)
-    amax = [dict()] + _grid(AMAX_PROGRAMS_PER_SM=[4, 16, 1 << 20], AMAX_TILE_ROWS=[4, 8, 16],
-                            AMAX_TILE_COLS=[1024, 2048], AMAX_NUM_WARPS=[4, 8])
+    # the packed stores' L2 eviction priority
+    policies = [Q.NVFP4Launch(store_policy=policy) for policy in ("", "evict_first")]
+    # programs_per_sm = 2**20: one tile per program (no persistent loop)
+    amax = [None] + _grid(Q.AmaxLaunch, programs_per_sm=[4, 16, 1 << 20], tile_rows=[4, 8, 16],
+                          tile_cols=[1024, 2048], num_warps=[4, 8])
     cases = []
     for rows, hidden in (BIG, SMALL):
         x = (torch.randn(rows, hidden, generator=generator) * 3).to(torch.bfloat16).to(device)
@@ -97,43 +100,37 @@ def _quantize_cases(device) -> list[Case]:
         # the same bytes moved without the arithmetic (bench/floor.py), for scale
         floors = {f"traffic floor {'x'.join(map(str, v[:3]))} {v[3] or 'default'}":
                   lambda x=x, v=v: floor.nvfp4_traffic(x, v) for v in floor.FLOOR_VARIANTS}
-
-        def with_knobs(fn):
-            def run(knobs):
-                with _module_constants(Q, knobs):
-                    return fn()
-            return run
-
         for layout in ("linear", "swizzled_128x4") if rows == BIG[0] else ("linear",):
             others = dict(floors) if layout == "linear" else {}
             if rows == BIG[0]:  # each call into other buffers: no output is still in L2
-                for policy in (Q.NVFP4_STORE_POLICY, ""):
-                    others[f"rotating outputs, NVFP4_STORE_POLICY={policy}"] = (
-                        lambda call=rotating_nvfp4(x, gs, layout), policy=policy:
-                        with_knobs(call)(dict(NVFP4_STORE_POLICY=policy)))
+                for policy in (Q.DEFAULT_NVFP4.store_policy, ""):
+                    others[f"rotating outputs, store_policy={policy}"] = rotating_nvfp4(
+                        x, gs, layout, Q.NVFP4Launch(store_policy=policy))
             cases.append(Case(
                 f"nvfp4_{layout} [{rows},{hidden}]",
-                with_knobs(lambda x=x, gs=gs, layout=layout: Q.quantize_nvfp4(x, gs,
-                                                                              layout=layout)),
+                _with_launch(lambda x=x, gs=gs, layout=layout, **kw: Q.quantize_nvfp4(
+                    x, gs, layout=layout, **kw)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
                 nvfp4_tiles + policies, others=others))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
-                              with_knobs(lambda x=x: Q.quantize_mxfp8(x)),
+                              _with_launch(lambda x=x, **kw: Q.quantize_mxfp8(x, **kw)),
                               lambda x=x: R.quantize_mxfp8(x), tiles))
         cases.append(Case(f"global_scale [{rows},{hidden}]",
-                          with_knobs(lambda x=x: (Q.nvfp4_global_scale(x),)),
+                          _with_launch(lambda x=x, **kw: (Q.nvfp4_global_scale(x, **kw),)),
                           lambda x=x: (R.nvfp4_global_scale(x),), amax))
     return cases
 
 
-def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str) -> Callable[[], tuple]:
-    """A call of ``quantize_nvfp4(x, gs, layout=layout)`` that writes into the next of enough
-    output buffers (out=, out_scales=) to hold 4x the L2 (at least 2), in turn: a timed call
-    never finds its output's lines in L2 from an earlier call, so every call's writes reach
-    DRAM within the timed replay (checks that a store policy's gain is not such reuse)."""
+def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str,
+                   launch) -> Callable[[], tuple]:
+    """A call of ``quantize_nvfp4(x, gs, layout=layout, launch=launch)`` that writes into the
+    next of enough output buffers (out=, out_scales=) to hold 4x the L2 (at least 2), in turn:
+    a timed call never finds its output's lines in L2 from an earlier call, so every call's
+    writes reach DRAM within the timed replay (checks that a store policy's gain is not such
+    reuse)."""
     from kernels import quantize as Q
-    from kernels.reference import swizzled_scale_shape
+    from kernels.spec import swizzled_scale_shape
     rows, hidden = x.shape
     scale_shape = swizzled_scale_shape(rows, hidden // 16, layout)
     out_bytes = rows * hidden // 2 + scale_shape[0] * scale_shape[1]
@@ -146,7 +143,8 @@ def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str) -> Callable[[
 
     def call():
         out, out_scales = buffers[next(calls) % len(buffers)]
-        return Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales)
+        return Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales,
+                                launch=launch)
     return call
 
 
@@ -155,20 +153,18 @@ def _routing_cases(device) -> list[Case]:
     from kernels import reference as R
     from kernels import routing as K
     generator = torch.Generator(device="cpu").manual_seed(SEED)
-    variants = [dict()] + _grid(rows_per_program=[1, 2, 4], num_warps=[1, 2],
-                                compact=[K.COMPACT_NONE, K.COMPACT_GATHER, K.COMPACT_RELOAD])
+    variants = [None] + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2],
+                              compact=[K.COMPACT_NONE, K.COMPACT_GATHER, K.COMPACT_RELOAD])
     cases = []
     for tokens in (8192, 16):
         logits = torch.randn(tokens, 256, generator=generator).to(device)
         bias = (torch.randn(256, generator=generator) * 0.1).to(device)
         args = (logits, 8, "deepseek_v3")
         kwargs = dict(bias=bias, num_groups=8, topk_groups=4, routed_scaling=2.5)
-
-        def run(knobs, logits=logits, bias=bias):
-            return K._launch(logits, 8, "deepseek_v3", bias, 8, 4, 2.5, **knobs)
-
         cases.append(Case(
-            f"deepseek_v3 T={tokens} E=256 k=8 groups 8/4", run,
+            f"deepseek_v3 T={tokens} E=256 k=8 groups 8/4",
+            _with_launch(lambda args=args, kwargs=kwargs, **kw: K.route_topk(*args, **kwargs,
+                                                                             **kw)),
             lambda args=args, kwargs=kwargs: R.route_topk(*args, **kwargs), variants,
             graph=True,
             others={"flashinfer": lambda args=args, kwargs=kwargs: route_topk(
@@ -176,9 +172,10 @@ def _routing_cases(device) -> list[Case]:
     softmax = torch.randn(8192, 128, generator=generator).to(device)
     cases.append(Case(
         "softmax_topk T=8192 E=128 k=4",
-        lambda knobs: K._launch(softmax, 4, "softmax_topk", None, 1, 1, 1.0, **knobs),
+        _with_launch(lambda **kw: K.route_topk(softmax, 4, "softmax_topk", **kw)),
         lambda: R.route_topk(softmax, 4, "softmax_topk"),
-        [dict()] + _grid(rows_per_program=[1, 2, 4], num_warps=[1, 2]), graph=True))
+        [None] + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2]),
+        graph=True))
     return cases
 
 
@@ -214,11 +211,11 @@ def run_case(case: Case) -> list[dict]:
         except Exception as error:  # noqa: BLE001 - reported, the sweep goes on
             rows.append(dict(case=case.name, variant=name, ok=False, error=str(error)[:200]))
         _print_row(rows[-1])
-    for knobs in case.variants:
-        label = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+    for launch in case.variants:
+        label = variant_label(launch)
         try:
-            ok = _same(case.run(knobs), expected, ids_only=case.graph)
-            times = _times(lambda knobs=knobs: case.run(knobs), case.graph) if ok else {}
+            ok = _same(case.run(launch), expected, ids_only=case.graph)
+            times = _times(lambda launch=launch: case.run(launch), case.graph) if ok else {}
             rows.append(dict(case=case.name, variant=label, ok=ok, **times))
         except Exception as error:  # noqa: BLE001
             rows.append(dict(case=case.name, variant=label, ok=False, error=str(error)[:200]))
@@ -230,7 +227,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="nvfp4,mxfp8,global_scale,routing",
                         help="comma-separated: nvfp4, mxfp8, global_scale, routing")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
+                        help="folder for the tune-<gpu>-<time>.json record (default: "
+                             "bench/results)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench.tune times kernels on a GPU; none is visible")

@@ -1,11 +1,6 @@
-"""Expert-major permutation around the local expert compute, in Triton.
-
-Three ops, each with the signature of its oracle in ``kernels.reference``:
-
-``permute_by_expert``     (token, slot) pairs -> expert-major order (:class:`Permutation`),
-                          a stable, atomic-free counting sort in three passes;
-``gather_rows``           rows of x (any dtype, e.g. bf16 or packed NVFP4) into that order;
-``unpermute_and_reduce``  the weighted sum over each token's k slots, back in token order.
+"""``permute_by_expert`` in Triton: (token, slot) pairs -> expert-major order
+(:class:`Permutation`), a stable, atomic-free counting sort, with the signature of its oracle in
+``kernels.reference.permute``. The rows move with ``kernels.gather``.
 
 Determinism: no pass depends on the order of atomics; the same input gives bit-identical
 output on every run (the histogram's shared-memory atomics add integers, whose sum does not
@@ -14,16 +9,15 @@ depend on their order).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import (_check_gather_inputs, _check_permute_inputs,
-                               _check_unpermute_inputs, _permutation_capacity)
+from kernels.spec.permute import check_permute_inputs, permutation_capacity
+from kernels.spec.tensors import check_expert_ids, check_tensor
 from kernels.types import UNUSED, Permutation
-from kernels.validate import check_expert_ids, check_tensor
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
 UNUSED_ENTRY = tl.constexpr(UNUSED)
@@ -188,7 +182,7 @@ def _launch_permute(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
     the id range after the launches."""
     device = topk_ids.device
     num_pairs = topk_ids.numel()
-    capacity = _permutation_capacity(num_pairs, num_local_experts, align)
+    capacity = permutation_capacity(num_pairs, num_local_experts, align)
     num_blocks = triton.cdiv(num_pairs, BLOCK_PAIRS)
 
     # Results: views of one int32 allocation.
@@ -254,174 +248,7 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, int32 on ``topk_ids``' device,
         ``P = T*k + E_local*(align - 1)``. The four are views of one allocation.
     """
-    num_local = _check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
-                                      align, check_ids=False)
+    num_local = check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
+                                     align, check_ids=False)
     check_tensor("topk_ids", topk_ids, contiguous=True)
     return _launch_permute(topk_ids, num_experts, first_expert, num_local, align, check_ids)
-
-
-# =============================================================================================
-# gather_rows: a row gather, moved as 4-byte words
-# =============================================================================================
-
-@triton.jit
-def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, num_out_rows, num_sources, top_k,
-                        row_words, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
-    """``out[p, :] = table[rows[p] // top_k, :]`` for a [BLOCK_ROWS, BLOCK_WORDS] tile; a row
-    whose source is UNUSED (or outside [0, num_sources)) is written as zeros."""
-    out_rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
-    row_ok = out_rows < num_out_rows
-    word_ok = words < row_words
-    sources = tl.load(rows_ptr + out_rows, mask=row_ok, other=UNUSED_ENTRY)
-    source_ok = row_ok & (sources >= 0) & (sources < num_sources)
-    tokens = tl.where(source_ok, sources // top_k, 0).to(tl.int64)
-    values = tl.load(table_ptr + tokens[:, None] * row_words + words[None, :],
-                     mask=source_ok[:, None] & word_ok[None, :], other=0)
-    tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * row_words + words[None, :], values,
-             mask=row_ok[:, None] & word_ok[None, :])
-
-
-# Words per program tile: 4096 words = 16 KiB in flight per program (32 words, eight 16-byte
-# vectors, per thread at 4 warps); a tile is at most GATHER_TILE_WORDS_PER_ROW wide so that a
-# 7168-wide bf16 row (3584 words) splits into 7 full column blocks.
-GATHER_TILE_WORDS = 4096
-GATHER_TILE_WORDS_PER_ROW = 512
-
-
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """View a contiguous 2-D tensor's rows as the widest of int32/int16/uint8 words that divides
-    the row size in bytes (4-byte words give 16-byte vectors of 4)."""
-    row_bytes = t.shape[1] * t.element_size()
-    raw = t.view(torch.uint8)
-    for word in (torch.int32, torch.int16):
-        if row_bytes % word.itemsize == 0:
-            return raw.view(word)
-    return raw
-
-
-def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
-    out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
-    if out.numel() == 0:
-        return out
-    table_words, out_words = _as_words(table), _as_words(out)
-    row_words = table_words.shape[1]
-    block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(row_words))
-    block_rows = GATHER_TILE_WORDS // block_words
-    grid = (triton.cdiv(rows.numel(), block_rows), triton.cdiv(row_words, block_words))
-    _gather_rows_kernel[grid](table_words, rows, out_words, rows.numel(), table.shape[0] * top_k,
-                              top_k, row_words, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
-                              num_warps=4)
-    return out
-
-
-def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
-                top_k: int = 1) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``; equal, bit
-    for bit, to ``kernels.reference.gather_rows``.
-
-    Pass ``rows = permutation.source_rows`` with ``top_k = permutation.top_k`` to gather token
-    rows into expert-major order; ``top_k=1`` reads ``rows`` as token ids.
-
-    Arguments:
-        x: [T, W] contiguous, any dtype (bf16/fp16/fp32 rows, packed NVFP4 uint8 [T, H/2], ...).
-        rows: [P] int32, the source of each output row: ``UNUSED`` (-1) gives a zero row,
-            otherwise ``[0, T*top_k)``. Not range-checked here (that would sync): a value
-            outside also gives a zero row, where the oracle raises.
-        scales: optional [T, Ws] contiguous (e.g. NVFP4 scales uint8 [T, H/16], linear layout),
-            gathered with the same rows.
-        top_k: how many consecutive ``rows`` values map to one row of ``x``.
-
-    Returns:
-        out: [P, W] in ``x``'s dtype; or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
-    """
-    _check_gather_inputs(x, rows, scales, top_k)
-    check_tensor("x", x, contiguous=True)
-    check_tensor("rows", rows, contiguous=True)
-    if scales is not None:
-        check_tensor("scales", scales, contiguous=True)
-    out = _launch_gather(x, rows, top_k)
-    return out if scales is None else (out, _launch_gather(scales, rows, top_k))
-
-
-# =============================================================================================
-# unpermute_and_reduce: weighted sum over each token's k slots
-# =============================================================================================
-
-@triton.jit
-def _round_to(acc, DTYPE: tl.constexpr):
-    """float32 -> DTYPE, round to nearest even. For bf16 the rounding is spelled out on the bits
-    (torch's formula, NaN -> 0x7FC0): the GPU's own cast rounds to nearest even too, but
-    Triton's interpreter truncates, and both faces must equal the oracle bit for bit."""
-    if DTYPE == tl.bfloat16:
-        bits = acc.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return acc.to(DTYPE)
-
-
-@triton.jit
-def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_ptr, num_tokens,
-                                 num_rows, hidden, weight_stride_token, weight_stride_slot,
-                                 TOP_K: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                                 BLOCK_COLS: tl.constexpr):
-    """``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j in
-    fixed order 0..k-1, float32 accumulation; launched with fp fusion off so each slot is one
-    rounded multiply and one rounded add, exactly as the oracle computes."""
-    tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    token_ok = tokens < num_tokens
-    col_ok = cols < hidden
-    acc = tl.zeros([BLOCK_TOKENS, BLOCK_COLS], tl.float32)
-    for slot in tl.static_range(TOP_K):
-        rows = tl.load(inverse_ptr + tokens * TOP_K + slot, mask=token_ok, other=UNUSED_ENTRY)
-        owned = token_ok & (rows >= 0) & (rows < num_rows)
-        weight = tl.load(weights_ptr + tokens * weight_stride_token + slot * weight_stride_slot,
-                         mask=owned, other=0).to(tl.float32)
-        values = tl.load(expert_out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
-                         mask=owned[:, None] & col_ok[None, :], other=0).to(tl.float32)
-        acc = tl.where(owned[:, None], acc + weight[:, None] * values, acc)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :],
-             _round_to(acc, out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
-
-
-# Tile [tokens, columns] of UNPERMUTE_TILE elements, at most UNPERMUTE_BLOCK_COLS wide: 1024
-# columns = 8 bf16 (one 16-byte vector) per thread per row at 4 warps; the k slot loads are
-# unrolled, so 2 tokens x k=8 slots keep 32 KiB of bf16 rows in flight per program, with 16 fp32
-# accumulators per thread. Narrower rows take more tokens per program.
-UNPERMUTE_TILE = 2048
-UNPERMUTE_BLOCK_COLS = 1024
-
-
-def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
-                         topk_weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of each token's permuted rows, back in token order; bit-identical to
-    ``kernels.reference.unpermute_and_reduce`` (same float32 operations in the same order).
-
-    Arguments:
-        expert_out: [P, H] bf16/fp16/fp32, contiguous, one row per permuted row.
-        permutation: the :class:`Permutation` the rows were gathered with.
-        topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weight of each slot.
-
-    Returns:
-        out: [T, H] in ``expert_out``'s dtype; a token with no owned slot gives a zero row.
-    """
-    _check_unpermute_inputs(expert_out, permutation, topk_weights)
-    check_tensor("expert_out", expert_out, contiguous=True)
-    check_tensor("permutation.inverse", permutation.inverse, contiguous=True)
-    num_tokens, top_k = topk_weights.shape
-    hidden = expert_out.shape[1]
-    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
-    if out.numel() == 0:
-        return out
-    block_cols = min(UNPERMUTE_BLOCK_COLS, triton.next_power_of_2(hidden))
-    block_tokens = UNPERMUTE_TILE // block_cols
-    grid = (triton.cdiv(num_tokens, block_tokens), triton.cdiv(hidden, block_cols))
-    _unpermute_and_reduce_kernel[grid](
-        expert_out, permutation.inverse, topk_weights, out, num_tokens, expert_out.shape[0],
-        hidden, topk_weights.stride(0), topk_weights.stride(1), TOP_K=top_k,
-        BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols, num_warps=4,
-        enable_fp_fusion=False)
-    return out

@@ -42,9 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_prepare_inputs
+from kernels.spec.prepare import check_prepare_inputs
+from kernels.spec.tensors import check_expert_ids
 from kernels.types import UNUSED, LocalSendPlan
-from kernels.validate import check_expert_ids
 
 # The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
 UNUSED_ID = tl.constexpr(UNUSED)

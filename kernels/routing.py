@@ -30,14 +30,17 @@ cached loads per row) rather than carried through the selection rounds.
 
 from __future__ import annotations
 
-import os
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.reference import check_routing_args
+from kernels.hardware import interpreting
+from kernels.spec.routing import check_routing_args
 
 # Low 16 bits of a key hold ID_LIMIT - id: larger for smaller ids, so ties go to the smaller id.
 # 65535 bounds the expert (and group) ids we can pack; MAX_EXPERTS is far below it.
@@ -47,29 +50,38 @@ ID_LIMIT = tl.constexpr(65535)
 # below a warp then holds one row of 16 keys per thread. Larger E needs a chunked selection.
 MAX_EXPERTS = 512
 
-# One warp per program, so that every per-row reduction (k rounds of them) stays inside a
-# warp: with 4 warps Triton's default layout splits a 256-wide fp32 row over 2 warps (a warp's
-# 32 lanes x 4-element vectors cover 128 columns) and every round then goes through shared
-# memory and a barrier (seen in the SM90 SASS: 41 barriers instead of 1).
-NUM_WARPS = 1
-# Elements (tokens x padded experts) one program holds at most: 256 = 8 per lane, i.e. one
-# DeepSeek-V3 row of int64 keys plus fp32 scores per warp, 2 rows of E=128. Measured by
-# ``python -m bench.tune`` on an H200 (2026-11-30, CUDA-graph replay): DeepSeek-V3 T=8192 E=256
-# k=8, 1 row per warp 16.3 us, 2 rows 16.6 us (FlashInfer's fused_topk_deepseek 21.7 us);
-# softmax_topk T=8192 E=128 k=4: 2 rows 5.8 us, 1 row 6.8 us.
-ELEMENTS_PER_PROGRAM = 256
-# Small batches get one row per program: at T=16 the kernel time is the latency of one
-# program's serial chain of reductions (DeepSeek-V3 T=16: 1 row 3.2 us, 2 rows 4.6 us).
-# 1024 programs (about 8 per SM) is the most a large-T launch needs to fill the GPU.
-TARGET_PROGRAMS = 1024
-
 # How DeepSeek-V3 narrows the selection to the kept groups (the ``COMPACT`` constexpr).
 COMPACT_NONE = 0     # keep the full-row tile, dropped groups' keys set to KEY_NONE
 COMPACT_GATHER = 1   # tl.gather the kept groups' keys into a [B, KEEP_PAD * GROUP_PAD] tile
 COMPACT_RELOAD = 2   # re-read the kept groups' logits (cached) and rebuild their keys
-# bench.tune (H200, DeepSeek-V3 T=8192, 1 row per warp): the full-row tile was fastest, 16.3 us;
-# reload 16.9 us, gather 19.3 us (the narrower scan does not pay for building its tile).
-COMPACT_DEFAULT = COMPACT_NONE
+
+
+@dataclass(frozen=True)
+class RoutingLaunch:
+    """Launch rule of ``route_topk`` (``python -m bench.tune`` times the alternatives; the
+    defaults are the best rows of its run on an H200, recorded in bench/results/tune-*.json).
+
+    num_warps: warps per program. One, so that every per-row reduction (k rounds of them) stays
+        inside a warp: with 4 warps Triton's default layout splits a 256-wide fp32 row over 2
+        warps and every round then goes through shared memory and a barrier.
+    elements_per_program: tokens x padded experts one program holds at most: 256 = 8 per lane,
+        one DeepSeek-V3 row of int64 keys plus fp32 scores per warp, 2 rows of E=128.
+    target_programs: rows per program grow (up to the element bound) only while the grid has
+        more programs than this (about 8 per SM of an H200): small batches get one row per
+        program, whose time is the latency of one program's serial chain of reductions.
+    rows_per_program: a fixed power of two instead of the rule above (None: the rule).
+    compact: how DeepSeek-V3 narrows the selection to the kept groups (``COMPACT_*``).
+    """
+
+    num_warps: int = 1
+    elements_per_program: int = 256
+    target_programs: int = 1024
+    rows_per_program: Optional[int] = None
+    compact: int = COMPACT_NONE
+
+
+DEFAULT_ROUTING = RoutingLaunch()
+
 
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
 SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
@@ -237,17 +249,10 @@ def _route_topk_kernel(
     tl.store(weights_ptr + out, weights, mask=out_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int,
-            topk_groups: int, routed_scaling: float, *, rows_per_program=None, num_warps=None,
-            compact=None):
+            topk_groups: int, routed_scaling: float, launch: RoutingLaunch):
     """Allocate the outputs and launch the kernel on checked arguments (``num_groups`` and
-    ``topk_groups`` already filled in by ``check_routing_args``). ``rows_per_program`` (a power
-    of two), ``num_warps`` and ``compact`` (a ``COMPACT_*``) override the launch rule, for the
-    sweep in bench/tune.py; None takes the default."""
+    ``topk_groups`` already filled in by ``check_routing_args``)."""
     num_tokens, num_experts = logits.shape
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
@@ -264,9 +269,11 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     experts_per_group = num_experts // groups
     groups_pad = triton.next_power_of_2(groups)
     group_pad = triton.next_power_of_2(experts_per_group)
+    rows_per_program = launch.rows_per_program
     if rows_per_program is None:
-        rows_per_program = max(1, min(ELEMENTS_PER_PROGRAM // (groups_pad * group_pad),
-                                      triton.next_power_of_2(-(-num_tokens // TARGET_PROGRAMS))))
+        rows_per_program = max(1, min(launch.elements_per_program // (groups_pad * group_pad),
+                                      triton.next_power_of_2(-(-num_tokens
+                                                               // launch.target_programs))))
     grid = (-(-num_tokens // rows_per_program),)
     _route_topk_kernel[grid](
         logits, bias, ids, weights,
@@ -276,16 +283,17 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=rows_per_program,
         KEEP_PAD=triton.next_power_of_2(topk_groups) if grouped else 1,
-        COMPACT=COMPACT_DEFAULT if compact is None else compact,
+        COMPACT=launch.compact,
         SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
-        PRECISE_MATH=not _interpreting(),
-        num_warps=NUM_WARPS if num_warps is None else num_warps,
+        PRECISE_MATH=not interpreting(),
+        num_warps=launch.num_warps,
     )
     return ids, weights
 
 
 def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_groups=None,
-               topk_groups=None, routed_scaling: float = 1.0):
+               topk_groups=None, routed_scaling: float = 1.0,
+               launch: RoutingLaunch = DEFAULT_ROUTING):
     """Top-k expert routing (Triton). Same contract as ``kernels.reference.route_topk``.
 
     Args:
@@ -296,6 +304,7 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         num_groups: DeepSeek-V3 expert groups (divides E); default 1.
         topk_groups: DeepSeek-V3 groups kept per token; default ``num_groups`` (all).
         routed_scaling: factor applied to every weight.
+        launch: the launch rule (:class:`RoutingLaunch`); the default is the fixed rule.
 
     Returns:
         topk_ids: [T, k] int32, expert ids in descending selection score, ties to the smaller
@@ -310,4 +319,4 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         raise ValueError(f"logits have {logits.shape[1]} experts; the Triton routing kernel "
                          f"holds a row in registers and takes E <= {MAX_EXPERTS} "
                          f"(use backend='torch')")
-    return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling)
+    return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling, launch)

@@ -70,30 +70,31 @@ def launch_everything() -> None:
     """Call every public launcher (and the transport/prepare warm-ups) on CPU tensors."""
     from a2a import triton_prepare, triton_transport
     from bench import floor
-    from kernels import permute, quantize as Q, reference as R, routing
+    from kernels import gather, permute, quantize as Q, routing
+    from kernels.spec import SCALE_LAYOUTS, swizzled_scale_shape
     from kernels.types import AlltoallPlan
 
-    Q._can_run_ptx = lambda device: True  # the launch choices a CUDA tensor would get
+    # the launch choices a CUDA tensor would get (the GPU-only inline PTX paths)
+    nvfp4, block = Q.NVFP4Launch(ptx=True), Q.BlockLaunch(ptx=True)
     gs = torch.ones(1)
     for rows, hidden in ((8192, 7168), (128, 7168), (7, 48)):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = torch.empty(rows, hidden, dtype=dtype)
-            for layout in R.SCALE_LAYOUTS:
-                Q.quantize_nvfp4(x, gs, layout=layout)
-                Q.quantize_nvfp4(x, gs, layout=layout, fast_math=True)
+            for layout in SCALE_LAYOUTS:
+                Q.quantize_nvfp4(x, gs, layout=layout, launch=nvfp4)
+                Q.quantize_nvfp4(x, gs, layout=layout, fast_math=True, launch=nvfp4)
             Q.nvfp4_global_scale(x)
             if hidden % 32 == 0:
-                Q.quantize_mxfp8(x)
-                Q.quantize_mxfp4(x)
+                Q.quantize_mxfp8(x, launch=block)
+                Q.quantize_mxfp4(x, launch=block)
         x = torch.empty(rows, hidden, dtype=torch.bfloat16)
-        Q.quantize_nvfp4(x, gs, rows=torch.zeros(5, dtype=torch.int32))
+        Q.quantize_nvfp4(x, gs, rows=torch.zeros(5, dtype=torch.int32), launch=nvfp4)
         packed, scales = (torch.zeros(rows, hidden // 2, dtype=torch.uint8),
-                          torch.zeros(R.swizzled_scale_shape(rows, hidden // 16,
-                                                             "swizzled_128x4"),
+                          torch.zeros(swizzled_scale_shape(rows, hidden // 16, "swizzled_128x4"),
                                       dtype=torch.uint8))
-        Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4")
+        Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", launch=block)
     floor.nvfp4_traffic(torch.empty(256, 7168, dtype=torch.bfloat16))  # (its ASM=False form)
-    for layout in R.SCALE_LAYOUTS[1:]:
+    for layout in SCALE_LAYOUTS[1:]:
         swizzled = Q.swizzle_scales(torch.zeros(300, 448, dtype=torch.uint8), layout)
         Q.unswizzle_scales(swizzled, layout, 300, 448)
     from bench import timing
@@ -107,10 +108,10 @@ def launch_everything() -> None:
     routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk")
     ids = torch.zeros(64, 8, dtype=torch.int32)
     perm = permute.permute_by_expert(ids, 256, check_ids=False)
-    permute.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm.source_rows,
-                        top_k=8)
-    permute.unpermute_and_reduce(torch.zeros(512, 7168, dtype=torch.bfloat16), perm,
-                                 torch.zeros(64, 8))
+    gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm.source_rows,
+                       top_k=8)
+    gather.unpermute_and_reduce(torch.zeros(512, 7168, dtype=torch.bfloat16), perm,
+                                torch.zeros(64, 8))
 
     cpu = torch.device("cpu")
     triton_prepare.warmup(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64, top_k=8)

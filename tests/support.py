@@ -11,13 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Float outputs are compared with this table, stated once (index outputs and NVFP4/MX codes are
-# compared exactly). Keyed by the dtype of the output.
-TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=1e-3, rtol=1e-3),
-    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
-}
+from kernels.spec import FLOAT_TOLERANCES as TOLERANCES  # the one table
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs) -> None:

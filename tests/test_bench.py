@@ -623,9 +623,10 @@ def test_tune_rotating_outputs_cycle_and_stay_exact(device):
     (4 on CPU, where the L2 size stands in as one output) and every call equals the oracle."""
     from bench.tune import rotating_nvfp4
     from kernels import reference as R
+    from kernels.quantize import DEFAULT_NVFP4
     x = torch.randn(130, 64, device=device).to(torch.bfloat16)
     gs = R.nvfp4_global_scale(x)
-    call = rotating_nvfp4(x, gs, "swizzled_128x4")
+    call = rotating_nvfp4(x, gs, "swizzled_128x4", DEFAULT_NVFP4)
     outs = [call() for _ in range(5)]
     want = R.quantize_nvfp4(x, gs, layout="swizzled_128x4")
     pointers = [out[0].data_ptr() for out in outs]

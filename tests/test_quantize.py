@@ -9,6 +9,9 @@ from a2a import quantize as A
 from a2a.backends import BackendUnavailable
 from kernels import quantize as Q
 from kernels import reference as R
+from kernels.quantize_details.formats import rcp_approx
+from kernels.quantize_details.words import PAIR_VIEWS
+from kernels.spec import INV_E2M1_MAX, INV_E4M3_MAX, SCALE_LAYOUTS, swizzled_scale_shape
 from tests.support import assert_close
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -40,7 +43,7 @@ def _assert_same(actual, expected):
 def test_nvfp4_matches_reference(device, seed, dtype, num_rows, hidden):
     x = _hard_input(num_rows, hidden, dtype, device)
     for global_scale in (R.nvfp4_global_scale(x), torch.ones(1, device=device)):
-        for layout in R.SCALE_LAYOUTS:
+        for layout in SCALE_LAYOUTS:
             _assert_same(Q.quantize_nvfp4(x, global_scale, layout=layout),
                          R.quantize_nvfp4(x, global_scale, layout=layout))
 
@@ -49,7 +52,7 @@ def test_nvfp4_matches_reference(device, seed, dtype, num_rows, hidden):
 def test_nvfp4_rows_at_tile_edges(device, seed, num_rows):
     x = _hard_input(num_rows, 48, torch.bfloat16, device)
     gs = R.nvfp4_global_scale(x)
-    for layout in R.SCALE_LAYOUTS:
+    for layout in SCALE_LAYOUTS:
         _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
                      R.quantize_nvfp4(x, gs, layout=layout))
 
@@ -66,8 +69,8 @@ def test_rows_gather_out_buffers_and_padding(device, seed):
     x = _hard_input(40, 48, torch.bfloat16, device)
     gs = R.nvfp4_global_scale(x)
     rows = torch.tensor([39, 0, 3, 3, 17], dtype=torch.int64, device=device)
-    for layout in R.SCALE_LAYOUTS:
-        shape = R.swizzled_scale_shape(5, 3, layout)
+    for layout in SCALE_LAYOUTS:
+        shape = swizzled_scale_shape(5, 3, layout)
         out = torch.full((5, 24), 0xAB, dtype=torch.uint8, device=device)  # poisoned
         out_scales = torch.full(shape, 0xAB, dtype=torch.uint8, device=device)
         packed, scales = Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales,
@@ -95,7 +98,7 @@ def test_strided_views(device, seed, dtype):
     for name, x in views.items():
         gs = R.nvfp4_global_scale(x)
         assert torch.equal(Q.nvfp4_global_scale(x), gs), name
-        for layout in R.SCALE_LAYOUTS:
+        for layout in SCALE_LAYOUTS:
             _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
                          R.quantize_nvfp4(x.contiguous(), gs, layout=layout))
         _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x.contiguous()))
@@ -108,7 +111,7 @@ def test_saturating_global_scale(device, seed):
     x = _hard_input(33, 64, torch.float32, device)
     for gs in (1e4, 1e30):
         gs = torch.full((1,), gs, device=device)
-        for layout in R.SCALE_LAYOUTS:
+        for layout in SCALE_LAYOUTS:
             _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
                          R.quantize_nvfp4(x, gs, layout=layout))
 
@@ -123,7 +126,7 @@ def test_nan_input_matches_reference(device, seed, dtype):
     gs = torch.full((1,), 3.0, device=device)
     assert torch.equal(Q.nvfp4_global_scale(x).isnan(), R.nvfp4_global_scale(x).isnan())
     assert bool(Q.nvfp4_global_scale(x).isnan())
-    for layout in R.SCALE_LAYOUTS:
+    for layout in SCALE_LAYOUTS:
         _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
                      R.quantize_nvfp4(x, gs, layout=layout))
     _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
@@ -142,7 +145,7 @@ def test_dequantize_and_swizzle_match_reference(device, seed):
     x = _hard_input(130, 64, torch.bfloat16, device)
     gs = R.nvfp4_global_scale(x)
     linear = R.quantize_nvfp4(x, gs)
-    for layout in R.SCALE_LAYOUTS:
+    for layout in SCALE_LAYOUTS:
         packed, scales = R.quantize_nvfp4(x, gs, layout=layout)
         assert torch.equal(Q.dequantize_nvfp4(packed, scales, gs, layout=layout),
                            R.dequantize_nvfp4(packed, scales, gs, layout=layout))
@@ -209,7 +212,7 @@ def test_gpu_large_bit_exact(seed, dtype, num_rows):
     x = _hard_input(num_rows, 7168, dtype, "cuda")
     gs = Q.nvfp4_global_scale(x)
     assert torch.equal(gs, R.nvfp4_global_scale(x))
-    for layout in R.SCALE_LAYOUTS:
+    for layout in SCALE_LAYOUTS:
         _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
                      R.quantize_nvfp4(x, gs, layout=layout))
     _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
@@ -217,32 +220,31 @@ def test_gpu_large_bit_exact(seed, dtype, num_rows):
 
 
 @pytest.mark.gpu
-def test_gpu_software_e4m3_path(seed, monkeypatch):
-    monkeypatch.setattr(Q, "_HARDWARE_E4M3", False)
+def test_gpu_software_e4m3_path(seed):
+    software = Q.BlockLaunch(hardware_e4m3=False)
     x = _hard_input(300, 7168, torch.bfloat16, "cuda")
     gs = R.nvfp4_global_scale(x)
     _assert_same(Q.quantize_nvfp4(x, gs), R.quantize_nvfp4(x, gs))
-    _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
+    _assert_same(Q.quantize_mxfp8(x, launch=software), R.quantize_mxfp8(x))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_portable_nvfp4_path(seed, monkeypatch, dtype):
+def test_gpu_portable_nvfp4_path(seed, dtype):
     """NVFP4 of bf16/fp16 takes the word-level PTX path on a GPU; the portable path (the one
     the interpreter runs) must agree there too, NaN blocks included."""
     x = _hard_input(300, 7168, dtype, "cuda")
     x[7, 100], x[9, 5] = float("nan"), -float("inf")
     gs = torch.full((1,), 3.0, device="cuda")
-    kind, stride = Q._PAIR_VIEWS[dtype][0], x.shape[1] // 2
-    assert Q._word_asm(x.device, kind, fast_math=False, stride_row=stride)
-    assert not Q._word_asm(x.device, kind, fast_math=False, stride_row=24)  # H = 48: unaligned
-    word = [Q.quantize_nvfp4(x, gs, layout=layout) for layout in R.SCALE_LAYOUTS]
-    monkeypatch.setattr(Q, "_WORD_ASM", False)
-    assert not Q._word_asm(x.device, kind, fast_math=False, stride_row=stride)
-    for layout, ours in zip(R.SCALE_LAYOUTS, word):
+    kind, stride = PAIR_VIEWS[dtype][0], x.shape[1] // 2
+    portable = Q.NVFP4Launch(word_asm=False)
+    assert Q.nvfp4_word_asm(x.device, kind, False, stride, Q.DEFAULT_NVFP4)
+    assert not Q.nvfp4_word_asm(x.device, kind, False, 24, Q.DEFAULT_NVFP4)  # H = 48: unaligned
+    assert not Q.nvfp4_word_asm(x.device, kind, False, stride, portable)
+    for layout in SCALE_LAYOUTS:
         theirs = R.quantize_nvfp4(x, gs, layout=layout)
-        _assert_same(ours, theirs)
         _assert_same(Q.quantize_nvfp4(x, gs, layout=layout), theirs)
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout, launch=portable), theirs)
 
 
 @pytest.mark.gpu
@@ -288,12 +290,12 @@ def test_gpu_rcp_approx_constants_equal_ieee():
     @triton.jit
     def rcp_kernel(x_ptr, y_ptr):
         offsets = tl.arange(0, 2)
-        tl.store(y_ptr + offsets, Q._rcp_approx(tl.load(x_ptr + offsets)))
+        tl.store(y_ptr + offsets, rcp_approx(tl.load(x_ptr + offsets)))
 
     x = torch.tensor([6.0, 448.0], device="cuda")
     y = torch.empty(2, device="cuda")
     rcp_kernel[(1,)](x, y)
-    assert y.tolist() == [Q.INV_E2M1_MAX, Q.INV_E4M3_MAX]
+    assert y.tolist() == [INV_E2M1_MAX, INV_E4M3_MAX]
 
 
 @pytest.mark.gpu
@@ -320,7 +322,7 @@ def test_gpu_flashinfer_quantize_refused_below_sm100():
 
 @pytest.mark.sm100
 @pytest.mark.parametrize("fast_math", [False, True])
-@pytest.mark.parametrize("layout", R.SCALE_LAYOUTS)
+@pytest.mark.parametrize("layout", SCALE_LAYOUTS)
 def test_sm100_nvfp4_matches_flashinfer(seed, fast_math, layout):
     x = torch.randn(300, 7168, device="cuda").to(torch.bfloat16)
     gs = Q.nvfp4_global_scale(x)
@@ -370,23 +372,19 @@ def test_dequantize_keeps_negative_zero(device):
 @pytest.mark.parametrize("max_blocks,steps,prefetch",
                          [(1, 2, 1), (2, 3, 2), (1, 8, 2), (1, 1, 2), (2, 3, 1), (1, 8, 3),
                           (2, 3, 3), (1, 4, 3)])
-def test_nvfp4_programs_walk_several_tiles(device, seed, monkeypatch, max_blocks, steps,
-                                           prefetch):
+def test_nvfp4_programs_walk_several_tiles(device, seed, max_blocks, steps, prefetch):
     """A program quantizes several column tiles in turn, loading 1, 2 or 3 tiles ahead; an
     uneven split leaves masked steps past the last block. Tiny tiles, and no minimum grid size
     (0 stand-in SMs: the launch rule keeps all the steps), make that happen here."""
-    for name, value in (("NVFP4_MAX_BLOCKS", max_blocks), ("NVFP4_STEPS", steps),
-                        ("NVFP4_PREFETCH", prefetch)):
-        monkeypatch.setattr(Q, name, value)
-    monkeypatch.setattr(Q, "_num_sms", lambda device: 0)
-    assert Q._steps(1, 7, device) == triton.cdiv(7, triton.cdiv(7, min(steps, 7)))
+    launch = Q.NVFP4Launch(max_blocks=max_blocks, steps=steps, prefetch=prefetch, num_sms=0)
+    assert Q.nvfp4_steps(1, 7, device, launch) == triton.cdiv(7, triton.cdiv(7, min(steps, 7)))
     x = _hard_input(37, 112, torch.bfloat16, device)  # 7 blocks per row
     gs = R.nvfp4_global_scale(x)
     rows = torch.tensor([36, 0, 5, 5, 17, 30, 2, 9, 11], dtype=torch.int32, device=device)
-    for layout in R.SCALE_LAYOUTS:
-        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
+    for layout in SCALE_LAYOUTS:
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout, launch=launch),
                      R.quantize_nvfp4(x, gs, layout=layout))
-        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout, rows=rows),
+        _assert_same(Q.quantize_nvfp4(x, gs, layout=layout, rows=rows, launch=launch),
                      R.quantize_nvfp4(x[rows.long()], gs, layout=layout))
 
 
@@ -394,21 +392,23 @@ def test_steps_rule():
     """Tiles per program: NVFP4_STEPS at most, fewer while the grid is under 2 programs per
     SM (4 stand-in SMs on CPU), spread evenly."""
     cpu = torch.device("cpu")
-    assert Q._steps(2048, 7, cpu) == min(Q.NVFP4_STEPS, 7)
-    assert Q._steps(2, 7, cpu) == 2  # 2 rows of programs: 4 column programs of 2, 2, 2, 1
-    assert Q._steps(100, 1, cpu) == 1 and Q._steps(1, 0, cpu) == 1
+    rule = Q.DEFAULT_NVFP4
+    assert Q.nvfp4_steps(2048, 7, cpu, rule) == min(rule.steps, 7)
+    assert Q.nvfp4_steps(2, 7, cpu, rule) == 2  # 2 rows of programs: 4 programs of 2, 2, 2, 1
+    assert Q.nvfp4_steps(100, 1, cpu, rule) == 1 and Q.nvfp4_steps(1, 0, cpu, rule) == 1
 
 
 def test_launch_rule_shrinks_tiles_for_small_m():
     """Large M: the configured NVFP4 tile. Small M: fewer rows per program until the grid has
     2 programs per SM, with warps shrunk alike (a thread per scale block at most)."""
-    cpu = torch.device("cpu")  # _num_sms stands in 4 SMs here: at least 8 programs
-    rows, blocks, warps = Q._tile(8192, 448, 16, cpu, nvfp4=True)
-    assert (rows * blocks * 16, blocks, warps) == (Q.NVFP4_TILE_ELEMENTS, Q.NVFP4_MAX_BLOCKS,
-                                                   Q.NVFP4_NUM_WARPS)
-    rows, blocks, warps = Q._tile(2, 8, 16, cpu, nvfp4=True)  # 2 rows of 8 blocks
+    cpu = torch.device("cpu")  # 4 stand-in SMs here (kernels.hardware): at least 8 programs
+    nvfp4, mx = Q.DEFAULT_NVFP4, Q.DEFAULT_BLOCK
+    rows, blocks, warps = Q.tile_shape(8192, 448, 16, cpu, nvfp4)
+    assert (rows * blocks * 16, blocks, warps) == (nvfp4.tile_elements, nvfp4.max_blocks,
+                                                   nvfp4.num_warps)
+    rows, blocks, warps = Q.tile_shape(2, 8, 16, cpu, nvfp4)  # 2 rows of 8 blocks
     assert (rows, blocks, warps) == (1, 8, 1)
-    rows, blocks, warps = Q._tile(16, 448, 16, cpu, nvfp4=True)
+    rows, blocks, warps = Q.tile_shape(16, 448, 16, cpu, nvfp4)
     assert 16 // rows * -(-448 // blocks) >= 8 and warps == max(1, rows * blocks // 32)
-    rows, blocks, warps = Q._tile(8192, 224, 32, cpu)  # MX: the plain constants
-    assert (rows * blocks * 32, warps) == (Q.TILE_ELEMENTS, Q.NUM_WARPS)
+    rows, blocks, warps = Q.tile_shape(8192, 224, 32, cpu, mx)  # MX: the block tile
+    assert (rows * blocks * 32, warps) == (mx.tile_elements, mx.num_warps)

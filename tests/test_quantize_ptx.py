@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import quantize as Q
 from kernels import reference as R
+from kernels.quantize_details.words import e2m1_words_ptx
 
 MASK = 0xFFFFFFFF
 
@@ -108,7 +108,7 @@ def _expected_bytes(elements: torch.Tensor, scale: float) -> list[int]:
 
 @pytest.mark.parametrize("dtype,in_kind", [(torch.bfloat16, 0), (torch.float16, 1)])
 def test_word_ptx_packs_like_the_reference(dtype, in_kind):
-    program = Q._e2m1_words_ptx(in_kind)
+    program = e2m1_words_ptx(in_kind)
     generator = torch.Generator().manual_seed(7)
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 0.0, -0.0, -0.25,
                          -1.25, -5.0, 1e-3, 1e4])

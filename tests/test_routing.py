@@ -7,11 +7,13 @@ so the parametrization is a hand-picked list covering each axis (T, E, k, dtype,
 than the cross product.
 """
 
+import logging
+
 import pytest
 import torch
 
 from a2a.backends import BackendUnavailable
-from a2a.routing import _check_flashinfer_limits, _route_topk_flashinfer
+from a2a.routing import check_flashinfer_limits, route_topk_flashinfer
 from a2a.routing import route_topk as route_topk_stage
 from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
 from kernels import reference, routing
@@ -135,21 +137,15 @@ def test_negative_zero_ties_positive_zero(device):
     assert ids[0].tolist() == [0, 1, 3, 4]
 
 
-@pytest.mark.parametrize("backend, module", [("torch", reference), ("triton", routing)])
-def test_stage_function_dispatches(device, monkeypatch, backend, module):
-    calls = []
-    face = module.route_topk
-
-    def spy(*args, **kwargs):
-        calls.append(backend)
-        return face(*args, **kwargs)
-
-    monkeypatch.setattr(module, "route_topk", spy)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stage_function_dispatches(device, caplog, backend):
+    """The stage function runs the face it resolved (the switch logs its choice)."""
     logits = make_logits(7, 60, torch.bfloat16, device)
-    check_against_oracle(logits, 4, "deepseek_v3", run=route_topk_stage,
-                         run_kwargs=dict(backend=backend),
-                         **routing_kwargs("deepseek_v3", 60, device, (5, 2)))
-    assert calls[0] == backend
+    with caplog.at_level(logging.DEBUG, logger="a2a"):
+        check_against_oracle(logits, 4, "deepseek_v3", run=route_topk_stage,
+                             run_kwargs=dict(backend=backend),
+                             **routing_kwargs("deepseek_v3", 60, device, (5, 2)))
+    assert f"routing: {backend!r} -> {backend}" in caplog.text
 
 
 def test_stage_function_refuses_flashinfer_on_cpu():
@@ -160,7 +156,7 @@ def test_stage_function_refuses_flashinfer_on_cpu():
 
 def test_flashinfer_adapter_wraps_deepseek_v3_only():
     with pytest.raises(NotImplementedError, match="wraps only fused_topk_deepseek"):
-        _route_topk_flashinfer(torch.zeros(4, 8), 2, "softmax_topk")
+        route_topk_flashinfer(torch.zeros(4, 8), 2, "softmax_topk")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -174,8 +170,8 @@ def test_flashinfer_adapter_wraps_deepseek_v3_only():
 ])
 def test_flashinfer_limits_are_named(args, message):
     with pytest.raises(ValueError, match=message):
-        _check_flashinfer_limits(*args)
-    _check_flashinfer_limits(256, 8, 8, 4)  # DeepSeek-V3's own shape passes
+        check_flashinfer_limits(*args)
+    check_flashinfer_limits(256, 8, 8, 4)  # DeepSeek-V3's own shape passes
 
 
 @pytest.mark.parametrize("run", [route_topk_triton, route_topk_stage])
@@ -300,10 +296,8 @@ def test_launch_variants_match_oracle(device, rows, warps, compact, num_experts,
     kwargs = routing_kwargs("deepseek_v3", num_experts, device, groups)
 
     def run(logits, top_k, method, **kw):
-        num_groups, topk_groups = reference.check_routing_args(logits, top_k, method, **kw)
-        return routing._launch(logits, top_k, method, kw["bias"], num_groups, topk_groups,
-                               kw["routed_scaling"], rows_per_program=rows, num_warps=warps,
-                               compact=compact)
+        launch = routing.RoutingLaunch(rows_per_program=rows, num_warps=warps, compact=compact)
+        return route_topk_triton(logits, top_k, method, launch=launch, **kw)
 
     check_against_oracle(logits, top_k, "deepseek_v3", run=run, **kwargs)
 
@@ -313,7 +307,7 @@ def test_launch_variants_match_oracle_softmax(device, rows, warps):
     logits = make_logits(37, 128, torch.bfloat16, device)
 
     def run(logits, top_k, method):
-        return routing._launch(logits, top_k, method, None, 1, 1, 1.0, rows_per_program=rows,
-                               num_warps=warps)
+        launch = routing.RoutingLaunch(rows_per_program=rows, num_warps=warps)
+        return route_topk_triton(logits, top_k, method, launch=launch)
 
     check_against_oracle(logits, 4, "softmax_topk", run=run)

@@ -22,10 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def library_kernels() -> set[str]:
-    """Names of the ``@triton.jit`` functions called ``*_kernel`` in kernels/, a2a/, bench/."""
+    """Names of the ``@triton.jit`` functions called ``*_kernel`` in kernels/, a2a/, bench/ (and
+    their subpackages)."""
     names = set()
     for package in ("kernels", "a2a", "bench"):
-        for path in glob.glob(os.path.join(ROOT, package, "*.py")):
+        for path in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True):
             with open(path) as f:
                 text = f.read()
             lines = text.splitlines()
@@ -39,7 +40,7 @@ def library_kernels() -> set[str]:
 
 def test_library_kernels_are_found():
     names = library_kernels()
-    assert {"_nvfp4_quantize_kernel", "_send_nvfp4_kernel", "_route_topk_kernel",
+    assert {"nvfp4_quantize_kernel", "_send_nvfp4_kernel", "_route_topk_kernel",
             "_exchange_kernel", "_traffic_kernel"} <= names, names
 
 

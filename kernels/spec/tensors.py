@@ -1,7 +1,7 @@
-"""Input checks shared by the reference, the Triton launchers and the adapters.
+"""Generic argument checks shared by every face of every op.
 
-Each raises ValueError (TypeError for a wrong dtype) naming the argument, the value and the way
-out, so that a bad call fails before anything is launched or sent.
+Each raises ValueError (TypeError for a wrong type or dtype) naming the argument, the value and
+the way out, so that a bad call fails before anything is launched or sent.
 """
 
 from __future__ import annotations
@@ -58,3 +58,12 @@ def check_top_k(top_k: int, num_experts: int, *, limit: Optional[int] = None,
     if limit is not None and top_k > limit:
         reason = f" ({limit_reason})" if limit_reason else ""
         raise ValueError(f"top_k={top_k} must be <= {limit}{reason}")
+
+
+# Float outputs compared against the oracle (tests, the bench) use this table, stated once;
+# index outputs and NVFP4/MX codes are compared exactly. Keyed by the dtype of the output.
+FLOAT_TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+}

@@ -1,0 +1,66 @@
+"""The NVFP4 global scale (a persistent amax pass and a one-program finish) and the scale layout
+kernel (swizzle / unswizzle), ``@triton.jit``; the launchers are in ``kernels.quantize``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.quantize_details.formats import (GLOBAL_NUMERATOR, max_nan, scale_offsets)
+from kernels.quantize_details.words import load_tile
+
+
+@triton.jit
+def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride_col,
+                        tiles_per_program, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Pass 1 of the global scale: program p folds |x| over tiles p, p + P, p + 2P, ... (P = the
+    grid) into a register tile and writes its max to partial[p]. No atomics, no zeroed
+    workspace, so no fill launches; max is order-independent (deterministic) and propagates
+    NaN as torch.amax does. A tile index past the last tile starts past the last row, so its
+    load is fully masked."""
+    col_tiles = tl.cdiv(hidden, COLS)
+    acc = tl.zeros((BLOCK_ROWS, COLS), tl.float32)
+    step = 0
+    while step < tiles_per_program:  # (a while loop: the interpreter cannot range() over an arg)
+        tile = tl.program_id(0) + step * tl.num_programs(0)
+        x = load_tile(x_ptr, (tile // col_tiles) * BLOCK_ROWS, (tile % col_tiles) * COLS,
+                      num_rows, hidden, stride_row, stride_col, BLOCK_ROWS, COLS)
+        acc = max_nan(acc, tl.abs(x))
+        step += 1
+    tl.store(partial_ptr + tl.program_id(0), tl.reduce(tl.reduce(acc, 1, max_nan), 0, max_nan))
+
+
+@triton.jit
+def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr):
+    """Pass 2 (one program): amax = max(partial[:num_partials]), read BLOCK at a time;
+    out = 448 * 6 / amax with an IEEE division, 1.0 when amax == 0 (or num_partials == 0)."""
+    offsets = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    start = 0
+    while start < num_partials:
+        acc = max_nan(acc, tl.load(partial_ptr + start + offsets,
+                                   mask=start + offsets < num_partials, other=0.0))
+        start += BLOCK
+    amax = tl.reduce(acc, 0, max_nan)
+    scale = tl.math.div_rn(tl.full((), GLOBAL_NUMERATOR, tl.float32), amax)
+    tl.store(out_ptr, tl.where(amax == 0, 1.0, scale))
+
+
+@triton.jit
+def scale_layout_kernel(src_ptr, dst_ptr, num_rows, num_blocks, padded_blocks,
+                        cover_rows, cover_blocks, LAYOUT: tl.constexpr,
+                        SWIZZLE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        BLOCKS: tl.constexpr):
+    """SWIZZLE: linear [num_rows, num_blocks] -> layout (padding written as 0); else the
+    inverse. cover_rows/cover_blocks: the index range the grid covers."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    inside = (rows < num_rows)[:, None] & (blocks < num_blocks)[None, :]
+    covered = (rows < cover_rows)[:, None] & (blocks < cover_blocks)[None, :]
+    linear = rows.to(tl.int64)[:, None] * num_blocks + blocks[None, :]
+    swizzled = scale_offsets(rows, blocks, padded_blocks, LAYOUT)
+    if SWIZZLE:
+        values = tl.load(src_ptr + linear, mask=inside, other=0)
+        tl.store(dst_ptr + swizzled, values, mask=covered)
+    else:
+        tl.store(dst_ptr + linear, tl.load(src_ptr + swizzled, mask=inside), mask=inside)

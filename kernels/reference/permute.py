@@ -1,0 +1,136 @@
+"""The oracle of the permutation ops: ``permute_by_expert`` (expert-major order of the locally
+owned (token, slot) pairs), ``gather_rows`` and ``unpermute_and_reduce``, in plain torch."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from kernels.spec.permute import (check_gather_inputs, check_permute_inputs,
+                                  check_unpermute_inputs, permutation_capacity)
+from kernels.types import UNUSED, Permutation
+
+
+def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
+                      num_local_experts: Optional[int] = None, align: int = 1,
+                      check_ids: bool = True) -> Permutation:
+    """Expert-major order of the locally owned (token, slot) pairs (see :class:`Permutation`).
+
+    Arguments:
+        topk_ids: [T, k] int32, global expert id of each (token, slot); ``num_experts`` is the
+            padding id (an unowned slot, e.g. FlashInfer's masked receive ids).
+        num_experts: E (or the slot count S), the number of global expert ids.
+        first_expert: the first global expert id this rank owns (``ep_rank * E_local``).
+        num_local_experts: E_local, the number of experts owned; default
+            ``num_experts - first_expert``.
+        align: pad every expert's segment up to a multiple of this (1 = no padding), e.g. the
+            grouped GEMM's tile height.
+
+    Returns:
+        :class:`Permutation` with ``source_rows [P]``, ``expert_counts [E_local]``,
+        ``expert_offsets [E_local + 1]``, ``inverse [T*k]`` (int32, on ``topk_ids``' device),
+        ``P = T*k + E_local*(align - 1)``.
+
+    Raises ValueError for an id < 0 or > ``num_experts`` (naming it; only with ``check_ids``,
+    the default: with ``check_ids=False`` nothing is read and such an id is skipped as not
+    owned, like any id outside the local range), a local range past ``num_experts``,
+    ``align < 1`` or ``k > num_experts``; TypeError for non-int32 ids.
+    """
+    num_local = check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
+                                     align, check_ids=check_ids)
+    device = topk_ids.device
+    num_pairs = topk_ids.numel()
+    capacity = permutation_capacity(num_pairs, num_local, align)
+
+    local = topk_ids.reshape(-1).long() - first_expert
+    owned = (local >= 0) & (local < num_local)
+    # Sort key: the local expert, with every unowned pair sent past the last one. A stable sort
+    # keeps the flat order t*k + j inside each expert.
+    key = torch.where(owned, local, torch.full_like(local, num_local))
+    order = torch.argsort(key, stable=True)
+
+    counts = torch.bincount(local[owned], minlength=num_local)
+    padded = (counts + align - 1) // align * align
+    offsets = torch.zeros(num_local + 1, dtype=torch.long, device=device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    unpadded_starts = torch.cumsum(counts, 0) - counts   # where each expert starts in `order`
+
+    owned_pairs = order[:int(counts.sum())]              # owned pairs, expert-major
+    expert = key[owned_pairs]
+    rank_in_expert = torch.arange(owned_pairs.numel(), device=device) - unpadded_starts[expert]
+    position = offsets[expert] + rank_in_expert
+
+    source_rows = torch.full((capacity,), UNUSED, dtype=torch.int32, device=device)
+    source_rows[position] = owned_pairs.to(torch.int32)
+    inverse = torch.full((num_pairs,), UNUSED, dtype=torch.int32, device=device)
+    inverse[owned_pairs] = position.to(torch.int32)
+    return Permutation(source_rows=source_rows, expert_counts=counts.to(torch.int32),
+                       expert_offsets=offsets.to(torch.int32), inverse=inverse,
+                       top_k=topk_ids.shape[1], align=align)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
+                top_k: int = 1) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``.
+
+    Pass ``rows = permutation.source_rows`` (flat pair indices ``t*k + j``) with
+    ``top_k = permutation.top_k`` to gather token rows into expert-major order; ``top_k=1``
+    (the default) reads ``rows`` as token ids.
+
+    Arguments:
+        x: [T, W] any dtype, e.g. bf16 hidden rows [T, H] or packed NVFP4 codes uint8 [T, H/2].
+        rows: [P] int32, the source of each output row: ``UNUSED`` (-1) gives a zero row,
+            otherwise a value in ``[0, T*top_k)``.
+        scales: optional [T, Ws] (e.g. NVFP4 block scales uint8 [T, H/16], linear layout),
+            gathered with the same rows.
+        top_k: how many consecutive ``rows`` values map to one row of ``x``.
+
+    Returns:
+        out: [P, W] in ``x``'s dtype; or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
+    """
+    check_gather_inputs(x, rows, scales, top_k)
+    limit = x.shape[0] * top_k
+    used = rows != UNUSED
+    bad = used & ((rows < 0) | (rows >= limit))
+    if bool(bad.any()):
+        raise ValueError(f"rows holds {int(rows[bad][0])}, outside [0, {limit}) = [0, T*top_k) "
+                         f"and not UNUSED ({UNUSED})")
+    sources = rows[used].long() // top_k
+
+    def gather(table: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
+        out[used] = table[sources]
+        return out
+
+    return gather(x) if scales is None else (gather(x), gather(scales))
+
+
+def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
+                         topk_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's permuted rows, back in token order.
+
+    ``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j = 0..k-1
+    in that order, accumulated in float32 (one rounded multiply, then one rounded add, per
+    slot; unowned slots are skipped), then cast to ``expert_out``'s dtype. A token with no owned
+    slot gives a zero row.
+
+    Arguments:
+        expert_out: [P, H] bf16/fp16/fp32, one row per permuted row (the expert compute's output
+            in the order of ``permutation.source_rows``; padding rows are never read).
+        permutation: the :class:`Permutation` the rows were gathered with.
+        topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weight of each slot.
+
+    Returns:
+        out: [T, H] in ``expert_out``'s dtype.
+    """
+    check_unpermute_inputs(expert_out, permutation, topk_weights)
+    num_tokens, top_k = topk_weights.shape
+    inverse = permutation.inverse.reshape(num_tokens, top_k).long()
+    acc = torch.zeros((num_tokens, expert_out.shape[1]), dtype=torch.float32,
+                      device=expert_out.device)
+    for j in range(top_k):
+        owned = inverse[:, j] >= 0
+        terms = topk_weights[owned, j].float()[:, None] * expert_out[inverse[owned, j]].float()
+        acc[owned] = acc[owned] + terms
+    return acc.to(expert_out.dtype)
