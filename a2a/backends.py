@@ -125,14 +125,15 @@ def _flashinfer_common(device: torch.device) -> Optional[str]:
     return None
 
 
-def _quantize_flashinfer(device: torch.device, op: Optional[str] = None, **_) -> Optional[str]:
+def _quantize_flashinfer(device: torch.device, op: Optional[str] = None,
+                         capability: Optional[tuple[int, int]] = None, **_) -> Optional[str]:
     # ``op`` narrows the rule to one quantize-stage op. block_scale_interleave (the scale
     # swizzle) is a plain CUDA kernel that runs on SM90 too; FlashInfer has no global-scale op.
     if op == "swizzle":
         return _flashinfer_common(device)
     if op == "global_scale":
         return "FlashInfer has no standalone NVFP4 global-scale op (it takes the scale as input)"
-    major = sm_major(device)
+    major = capability[0] if capability is not None else sm_major(device)
     if major is not None and major >= BLACKWELL_SM_MAJOR:
         return _flashinfer_common(device)
     here = f"SM{major}0" if major is not None else f"no CUDA device ({device})"
@@ -142,7 +143,8 @@ def _quantize_flashinfer(device: torch.device, op: Optional[str] = None, **_) ->
             f"{here}")
 
 
-def _routing_flashinfer(device: torch.device, method: Optional[str] = None, **_) -> Optional[str]:
+def _routing_flashinfer(device: torch.device, method: Optional[str] = None,
+                        capability: Optional[tuple[int, int]] = None, **_) -> Optional[str]:
     common = _flashinfer_common(device)
     if common:
         return common
@@ -150,7 +152,7 @@ def _routing_flashinfer(device: torch.device, method: Optional[str] = None, **_)
         # FlashInfer's general routing (trtllm_gen_routing) is Blackwell-only and not wrapped.
         return (f"only method='deepseek_v3' is wrapped for FlashInfer (fused_topk_deepseek); "
                 f"asked for method={method!r}")
-    cap = capability(device)
+    cap = capability if capability is not None else globals()["capability"](device)
     if cap >= (8, 9):
         return None
     return (f"FlashInfer's fused_topk_deepseek runs on SM89 and newer; this device is "
@@ -181,7 +183,9 @@ _REASONS[("transport", "flashinfer")] = _distributed_flashinfer
 def why_unavailable(stage: str, backend: str, device, **context) -> Optional[str]:
     """Why ``backend`` cannot run ``stage`` on ``device``; None when it can.
 
-    ``context`` carries what a stage's rule needs, e.g. ``method="deepseek_v3"`` for routing.
+    ``context`` carries what a stage's rule needs, e.g. ``method="deepseek_v3"`` for routing,
+    ``op="swizzle"`` for one quantize-stage op, or ``capability=(9, 0)`` to ask about a GPU of
+    that compute capability instead of ``device``'s own.
     """
     _check_stage(stage)
     if backend not in BACKENDS:
@@ -208,7 +212,8 @@ def parse_backends(spec: str) -> dict[str, str]:
         stage, sep, backend = (s.strip() for s in part.partition("="))
         if not sep:
             raise ValueError(f"{ENV_VAR}: {part!r} is not 'stage=backend'")
-        _check_stage(stage)
+        if stage not in STAGES:
+            raise ValueError(f"{ENV_VAR}: stage={stage!r} is not one of {STAGES}")
         if backend not in BACKENDS + ("auto",):
             raise ValueError(f"{ENV_VAR}: backend {backend!r} for stage {stage!r} is not one of "
                              f"{BACKENDS + ('auto',)}")
@@ -252,3 +257,28 @@ def resolve(stage: str, backend: Optional[str], device, **context) -> str:
 def _check_stage(stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not one of {STAGES}")
+
+
+def describe(device=None, **context) -> str:
+    """What each stage runs on ``device`` (default: the current CUDA GPU, else the CPU) with
+    the defaults in force: one line per stage, ``stage: requested -> chosen``, and for each
+    backend that cannot run there, why. E.g. ``print(a2a.describe())``."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    device = torch.device(device)
+    defaults = default_backends()
+    lines = [f"device {device}" + (" (Triton interpreter)" if interpreting() else "")
+             + f"; defaults from {ENV_VAR}={os.environ.get(ENV_VAR, '')!r}"]
+    for stage in STAGES:
+        requested = defaults[stage]
+        try:
+            chosen = resolve(stage, requested, device, **context)
+        except BackendUnavailable as error:
+            chosen = f"refused ({error})"
+        lines.append(f"{stage}: {requested!r} -> {chosen}")
+        for backend in BACKENDS:
+            why = why_unavailable(stage, backend, device, **context)
+            if why is not None:
+                lines.append(f"    {backend}: not here: {why}")
+    return "\n".join(lines)

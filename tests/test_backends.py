@@ -22,8 +22,8 @@ def test_parse_backends_reads_each_stage():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("prepare", "is not 'stage=backend'"),
-    ("prepar=torch", "stage='prepar'"),
+    ("prepare", "MOE_A2A_BACKENDS: 'prepare' is not 'stage=backend'"),
+    ("prepar=torch", "MOE_A2A_BACKENDS: stage='prepar'"),
     ("prepare=cuda", "backend 'cuda' for stage 'prepare'"),
 ])
 def test_parse_backends_names_the_bad_part(spec, message):
@@ -47,13 +47,14 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("sm", [None, 9])
-def test_flashinfer_quantize_refuses_below_sm100(monkeypatch, sm):
+def test_flashinfer_quantize_refuses_below_sm100(sm):
     """FlashInfer's fp4 quantize kernels are empty below SM100: asking for them must fail with
-    the reason, on a CPU machine and on a (pretended) Hopper alike, and list what can run."""
-    monkeypatch.setattr(backends, "sm_major", lambda device: sm)
+    the reason, on a CPU machine and on a Hopper (the capability given) alike, and list what
+    can run."""
     device = torch.device("cuda", 0) if sm else CPU
+    context = dict(capability=(sm, 0)) if sm else {}
     with pytest.raises(BackendUnavailable) as info:
-        resolve("quantize", "flashinfer", device)
+        resolve("quantize", "flashinfer", device, **context)
     message = str(info.value)
     assert "SM100" in message and "uninitialised memory" in message
     assert ("SM90" if sm else "no CUDA device") in message
@@ -93,3 +94,17 @@ def test_import_needs_neither_gpu_nor_flashinfer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == "ok"
+
+
+def test_describe_names_every_stage_and_the_reasons():
+    text = backends.describe(CPU)
+    for stage in backends.STAGES:
+        assert f"{stage}: 'auto' -> " in text
+    assert "flashinfer: not here:" in text
+
+
+def test_resolve_logs_its_choice(caplog):
+    import logging
+    with caplog.at_level(logging.DEBUG, logger="a2a"):
+        resolve("permute", "torch", CPU)
+    assert "permute: 'torch' -> torch" in caplog.text
