@@ -179,7 +179,7 @@ def bundle(paths: list[str]) -> str:
     return archive
 
 
-def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+def gpu_worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     """One process per GPU: NCCL group, limits on rank 0, the distributed stages on every rank,
     then the single-GPU stages and the report on rank 0."""
     import torch.distributed as dist
@@ -225,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         if available < args.gpus:
             raise SystemExit(f"--gpus {args.gpus}: only {available} CUDA GPU(s) visible")
         import torch.multiprocessing as mp
-        mp.spawn(_worker, args=(args.gpus, _free_port(), args), nprocs=args.gpus, join=True)
+        mp.spawn(gpu_worker, args=(args.gpus, _free_port(), args), nprocs=args.gpus, join=True)
         return []
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())

@@ -87,8 +87,9 @@ class RunContext:
 
 
 def _is_backend_unavailable(error: BaseException) -> bool:
-    # a2a.backends.BackendUnavailable, matched by name: a2a may not import here at all.
-    return type(error).__name__ == "BackendUnavailable" or isinstance(error, Unavailable)
+    """Whether ``error`` says that the path cannot run here (the stage switch's refusal)."""
+    from a2a.backends import BackendUnavailable
+    return isinstance(error, (BackendUnavailable, Unavailable))
 
 
 def _brief(error: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Performance targets stated in the issues, checked with ``--targets``.
+"""The project's performance targets, checked with ``--targets``.
 
 Each target names a stage, the shape entries it applies to and a bound on the ``triton`` row.
 The shapes are added to the sweep as explicit extra shapes (``Stage.extra`` in bench/stages.py),

@@ -381,7 +381,7 @@ def time_cpu(fn: Callable[[], object], *, reps: int = CPU_REPS) -> Timing:
 # Limits
 # ---------------------------------------------------------------------------------------------
 
-def _peer_store_kernel():
+def peer_store_kernel():
     """A Triton copy kernel whose stores go to another GPU's memory (built on first use)."""
     import triton
     import triton.language as tl
@@ -399,7 +399,8 @@ def _peer_store_kernel():
     return peer_store
 
 
-# CTAs of the peer-store probe: design.md saw 32-64 CTAs reach ~350 GB/s per direction on H200.
+# The peer-store probe's persistent grid (CTAs) and int32 words per step (16-byte stores): enough
+# store streams to keep one direction of the NVLink peer path busy.
 PEER_STORE_CTAS = 64
 PEER_STORE_BLOCK = 4096
 
@@ -428,7 +429,7 @@ def measure_limits(device: torch.device) -> dict:
     dst = torch.empty(PEER_PROBE_BYTES // 4, dtype=torch.int32, device=peer)
     dst.copy_(src)  # makes torch enable peer access between the two devices
     try:
-        kernel = _peer_store_kernel()
+        kernel = peer_store_kernel()
         words = src.numel()
 
         def store():
