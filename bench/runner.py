@@ -2,9 +2,10 @@
 the paths that agree, and turn the result into records.
 
 A record (one dict per stage, shape and backend) is the unit of the JSON and of the table:
-``stage, backend, gpu, num_gpus, shape, dtype, time_us, p20_us, p80_us, bytes, local_bytes,
-remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing`` (and, with ``--kernel-times``,
-``kernels_us``: device time per call of each kernel the path launches, torch.profiler).
+``stage, backend, gpu, num_gpus, distributed, shape, dtype, time_us, p20_us, p80_us, std_us,
+bytes, local_bytes, remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing`` (and, with
+``--kernel-times``, ``kernels_us``: device time per call of each kernel the path launches,
+torch.profiler). ``distributed``: the stage runs one process per GPU (its shapes are per rank).
 ``gbps`` is the effective bandwidth (``bytes`` / time); ``pct_of_limit`` compares the HBM
 minimum (``hbm_bytes``: differs from ``local_bytes`` only where a formula reads the same rows
 several times, e.g. gather_rows) and the remote bytes with the measured limits. ``ok`` is
@@ -23,7 +24,7 @@ import torch
 
 from bench.stages import Path, Stage, Sweep, Unavailable
 from bench.timing import (CaptureFailed, Timing, kernel_times, time_cpu, time_fixed, time_gpu,
-                          time_graph_fixed)
+                          time_graph_fixed, with_remark)
 
 
 @dataclass
@@ -72,13 +73,14 @@ class RunContext:
         if self.group is None:
             return timing
         import torch.distributed as dist
-        values = torch.tensor([timing.median_us, timing.p20_us, timing.p80_us],
+        values = torch.tensor([timing.median_us, timing.p20_us, timing.p80_us,
+                               timing.std_us if timing.std_us is not None else float("nan")],
                               dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(values) for _ in range(self.world_size)]
         dist.all_gather(gathered, values, group=self.group)
         worst = max(gathered, key=lambda v: float(v[0])).tolist()
         return Timing(worst[0], worst[1], worst[2], timing.method + "_slowest_rank",
-                      timing.remark)
+                      timing.remark, std_us=None if worst[3] != worst[3] else worst[3])
 
     def barrier(self) -> None:
         if self.group is not None:
@@ -265,10 +267,9 @@ def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
                     return ctx.slowest(time_graph_fixed(path.run, barrier=ctx.barrier,
                                                         agree=ctx.agree))
                 except CaptureFailed as error:  # on every rank (time_graph_fixed agrees)
-                    timing = ctx.slowest(time_fixed(path.run, barrier=ctx.barrier))
-                    return Timing(timing.median_us, timing.p20_us, timing.p80_us,
-                                  timing.method, f"declared capture-safe but the CUDA-graph "
-                                  f"capture failed ({error}): timed eagerly")
+                    return with_remark(ctx.slowest(time_fixed(path.run, barrier=ctx.barrier)),
+                                       f"declared capture-safe but the CUDA-graph capture "
+                                       f"failed ({error}): timed eagerly")
             return ctx.slowest(time_fixed(path.run, before=path.before, after=path.after,
                                           barrier=ctx.barrier))
         # Graph replay only for the paths that declare themselves free of host syncs: a
@@ -285,15 +286,15 @@ def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,
     hbm_local = traffic.get("hbm_local", local)
     record = {
         "stage": stage.name, "backend": backend, "gpu": ctx.gpu, "num_gpus": ctx.world_size,
-        "shape": dict(shape), "dtype": stage.dtype(shape),
-        "time_us": None, "p20_us": None, "p80_us": None,
+        "distributed": stage.distributed, "shape": dict(shape), "dtype": stage.dtype(shape),
+        "time_us": None, "p20_us": None, "p80_us": None, "std_us": None,
         "bytes": local + remote, "local_bytes": local, "remote_bytes": remote,
         "hbm_bytes": hbm_local,
         "gbps": None, "pct_of_limit": None, "ok": ok, "note": note, "timing": None,
     }
     if timing is not None:
         record.update(time_us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                      timing=timing.method,
+                      std_us=timing.std_us, timing=timing.method,
                       gbps=(local + remote) / (timing.median_us * 1e3) if timing.median_us > 0
                       else None,
                       pct_of_limit=percent_of_limit(hbm_local, remote, timing.median_us,

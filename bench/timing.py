@@ -23,6 +23,7 @@ bandwidth; every row reports its fraction of these.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Timing:
     p80_us: float
     method: str
     remark: str = ""  # e.g. why a graph timing fell back to eager timing
+    std_us: Optional[float] = None  # population standard deviation of the samples
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -80,7 +82,13 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def _from_samples(samples_ms: list[float], method: str) -> Timing:
     ordered = sorted(samples_ms)
     return Timing(statistics.median(ordered) * 1e3, _quantile(ordered, LOW_Q) * 1e3,
-                  _quantile(ordered, HIGH_Q) * 1e3, method)
+                  _quantile(ordered, HIGH_Q) * 1e3, method,
+                  std_us=statistics.pstdev(ordered) * 1e3)
+
+
+def with_remark(timing: Timing, remark: str) -> Timing:
+    """``timing`` with ``remark`` (e.g. why a graph timing fell back to eager timing)."""
+    return dataclasses.replace(timing, remark=remark)
 
 
 class CaptureFailed(RuntimeError):
@@ -97,10 +105,8 @@ def time_gpu(fn: Callable[[], object], *, graph: bool = False, flush: bool = Fal
         try:
             return time_graph_flushed(fn) if flush else time_graph(fn)
         except CaptureFailed as error:
-            timing = time_eager(fn)
-            return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.method,
-                          f"declared capture-safe but the CUDA-graph capture failed ({error}): "
-                          f"timed eagerly")
+            return with_remark(time_eager(fn), f"declared capture-safe but the CUDA-graph "
+                                               f"capture failed ({error}): timed eagerly")
     return time_eager(fn)
 
 
