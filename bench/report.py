@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from typing import Optional
 
 import torch
@@ -250,15 +251,16 @@ def format_table(records: list[dict], meta: dict, with_targets: bool = False,
 
 
 def _target_lines(records: list[dict], width: int) -> list[str]:
-    """The rows a target applies to, each with its verdict, time and the target's text."""
+    """The rows a target applies to, each with its verdict, time and the targets' text."""
     judged = [r for r in records if _verdict(r)]
     if not judged:
         return ["targets: no row of this run has a stated target"]
     counts = {v: sum(_verdict(r) == v for r in judged) for v in ("PASS", "FAIL", "not run")}
     lines = ["targets: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)]
-    for r in judged:
-        lines.append(_cut(f"  {_verdict(r):<7}  {r['stage']} {_shape_text(r['shape'])} "
-                          f"{r['backend']} {_us(r['time_us'])} us: {r['target']}", width))
+    for r in judged:  # wrapped, not cut: the target's text says what passed or failed
+        lines += textwrap.wrap(f"{_verdict(r):<7}  {r['stage']} {_shape_text(r['shape'])} "
+                               f"{r['backend']} {_us(r['time_us'])} us: {r['target']}", width,
+                               initial_indent="  ", subsequent_indent=" " * 11)
     return lines
 
 

@@ -404,6 +404,9 @@ def test_targets_pass_and_fail():
     judge_targets(routing)
     assert routing[0]["target_pass"] is True  # 8 <= 0.8 * 10
     assert "target" not in routing[1]
+    stale = dict(routing[1], target="an older target", target_pass=False)  # from a JSON
+    judge_targets([stale])
+    assert "target" not in stale and "target_pass" not in stale
 
 
 def test_transport_targets_pair_sum_and_best_flashinfer():
