@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch
 
 from bench.stages import Path, Stage, Sweep, Unavailable
-from bench.timing import (CaptureFailed, Timing, kernel_times, time_cpu, time_fixed, time_gpu,
-                          time_graph_fixed, with_remark)
+from bench.timing import (CaptureFailed, Timing, brief_error, kernel_times, time_cpu, time_fixed,
+                          time_gpu, time_graph_fixed, with_remark)
 
 
 @dataclass
@@ -92,11 +92,6 @@ def _is_backend_unavailable(error: BaseException) -> bool:
     """Whether ``error`` says that the path cannot run here (the stage switch's refusal)."""
     from a2a.backends import BackendUnavailable
     return isinstance(error, (BackendUnavailable, Unavailable))
-
-
-def _brief(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 class Progress:
@@ -191,7 +186,7 @@ def _oracle_output(stage: Stage, paths: list[Path], ctx: RunContext) -> tuple[An
     try:
         return _call_once(oracle), ""
     except Exception as error:  # the oracle itself failed: nothing can be checked
-        return None, f"oracle failed: {_brief(error)}"
+        return None, f"oracle failed: {brief_error(error)}"
 
 
 def _call_once(path: Path, run: Optional[Any] = None) -> Any:
@@ -226,12 +221,12 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
             if path.checked is not None:  # the same op with its input checks on
                 check(_call_once(path, path.checked), ref, inputs, shape)
     except AssertionError as error:
-        ok, note = False, f"mismatch: {_brief(error)}"
+        ok, note = False, f"mismatch: {brief_error(error)}"
     except Exception as error:
         if _is_backend_unavailable(error):
             ok, note = None, f"not available: {error}"
         else:
-            ok, note = False, f"error: {_brief(error)}"
+            ok, note = False, f"error: {brief_error(error)}"
     if not ctx.agree(ok is True):
         if ok is True:
             failed = [f"rank {rank}: {their_note}" for rank, (their_ok, their_note)
@@ -243,7 +238,7 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
     try:
         timing = _time(stage, path, ctx)
     except Exception as error:
-        return record(ok=False, note=f"timing failed: {_brief(error)}")
+        return record(ok=False, note=f"timing failed: {brief_error(error)}")
     note = "; ".join(part for part in (note, path.timed, timing.remark) if part)
     row = record(ok=True, note=note, timing=timing)
     if ctx.kernel_times and not ctx.interpreter and path.before is None and path.after is None:
@@ -253,7 +248,7 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
                     path.run, barrier=ctx.barrier if stage.distributed else None)
         except Exception as error:  # noqa: BLE001 - a diagnostic; the timed row stands
             row["note"] = "; ".join(p for p in (row["note"], f"kernel times failed: "
-                                                f"{_brief(error)}") if p)
+                                                f"{brief_error(error)}") if p)
     return row
 
 

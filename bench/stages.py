@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from bench.timing import brief_error
+
 # Float outputs are compared with the library's one table; index outputs and quantized codes /
 # scales exactly.
 from kernels.spec import FLOAT_TOLERANCES as TOLERANCES  # noqa: E402
@@ -199,12 +201,10 @@ def make_path(backend: str, factory: Callable[[], Callable[[], Any]], **kwargs) 
         return Path(backend, reason=str(why), **kwargs)
     except Exception as error:  # the switch refused, or building the path failed
         from a2a.backends import BackendUnavailable
-        text = str(error).strip().splitlines()
-        text = text[0] if text else ""
         if isinstance(error, BackendUnavailable):
-            return Path(backend, reason=f"not available: {text}", **kwargs)
-        return Path(backend, reason=f"error: setup failed: {type(error).__name__}: {text}"[:300],
-                    **kwargs)
+            lines = str(error).strip().splitlines()
+            return Path(backend, reason=f"not available: {lines[0] if lines else ''}", **kwargs)
+        return Path(backend, reason=f"error: setup failed: {brief_error(error)}"[:300], **kwargs)
 
 
 def stage_backend(stage: str, backend: str, device: torch.device, **context) -> None:

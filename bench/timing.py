@@ -151,9 +151,11 @@ def time_eager(fn: Callable[[], object], *, warmup_ms: float = WARMUP_MS,
     return _from_samples([b.elapsed_time(f) for b, f in zip(starts, ends)], "eager_l2_flushed")
 
 
-def _brief(error: BaseException) -> str:
+def brief_error(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters: an error as a row's
+    note or a remark shows it."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:limit]
 
 
 def _capture(fn: Callable[[], object], calls: int, stream) -> "torch.cuda.CUDAGraph":
@@ -176,7 +178,7 @@ def _capture(fn: Callable[[], object], calls: int, stream) -> "torch.cuda.CUDAGr
         except Exception as raised:  # the capture was invalidated: CUDA still ended it
             error = error or raised
     if error is not None:
-        raise CaptureFailed(_brief(error)) from error
+        raise CaptureFailed(brief_error(error, 200)) from error
     return cuda_graph
 
 
@@ -200,7 +202,7 @@ def _recover_from_failed_capture(device: torch.device, stream, rng_state: torch.
         torch.empty(1, device=device).uniform_()  # uses the default generator
     except RuntimeError as error:
         raise RuntimeError(f"a failed CUDA-graph capture left torch's default CUDA generator "
-                           f"broken ({_brief(error)}); restart the process") from error
+                           f"broken ({brief_error(error, 200)}); restart the process") from error
     finally:
         torch.cuda.set_rng_state(rng_state, device)
 
