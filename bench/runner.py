@@ -2,9 +2,10 @@
 the paths that agree, and turn the result into records.
 
 A record (one dict per stage, shape and backend) is the unit of the JSON and of the table:
-``stage, backend, gpu, num_gpus, shape, dtype, time_us, p20_us, p80_us, bytes, local_bytes,
-remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing`` (and, with ``--kernel-times``,
-``kernels_us``: device time per call of each kernel the path launches, torch.profiler).
+``stage, backend, gpu, num_gpus, distributed, shape, dtype, time_us, p20_us, p80_us, std_us,
+bytes, local_bytes, remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing`` (and, with
+``--kernel-times``, ``kernels_us``: device time per call of each kernel the path launches,
+torch.profiler). ``distributed``: the stage runs one process per GPU (its shapes are per rank).
 ``gbps`` is the effective bandwidth (``bytes`` / time); ``pct_of_limit`` compares the HBM
 minimum (``hbm_bytes``: differs from ``local_bytes`` only where a formula reads the same rows
 several times, e.g. gather_rows) and the remote bytes with the measured limits. ``ok`` is
@@ -22,8 +23,8 @@ from typing import Any, Optional
 import torch
 
 from bench.stages import Path, Stage, Sweep, Unavailable
-from bench.timing import (CaptureFailed, Timing, kernel_times, time_cpu, time_fixed, time_gpu,
-                          time_graph_fixed)
+from bench.timing import (CaptureFailed, Timing, brief_error, kernel_times, time_cpu, time_fixed,
+                          time_gpu, time_graph_fixed, with_remark)
 
 
 @dataclass
@@ -72,13 +73,14 @@ class RunContext:
         if self.group is None:
             return timing
         import torch.distributed as dist
-        values = torch.tensor([timing.median_us, timing.p20_us, timing.p80_us],
+        values = torch.tensor([timing.median_us, timing.p20_us, timing.p80_us,
+                               timing.std_us if timing.std_us is not None else float("nan")],
                               dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(values) for _ in range(self.world_size)]
         dist.all_gather(gathered, values, group=self.group)
         worst = max(gathered, key=lambda v: float(v[0])).tolist()
         return Timing(worst[0], worst[1], worst[2], timing.method + "_slowest_rank",
-                      timing.remark)
+                      timing.remark, std_us=None if worst[3] != worst[3] else worst[3])
 
     def barrier(self) -> None:
         if self.group is not None:
@@ -87,13 +89,9 @@ class RunContext:
 
 
 def _is_backend_unavailable(error: BaseException) -> bool:
-    # a2a.backends.BackendUnavailable, matched by name: a2a may not import here at all.
-    return type(error).__name__ == "BackendUnavailable" or isinstance(error, Unavailable)
-
-
-def _brief(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    """Whether ``error`` says that the path cannot run here (the stage switch's refusal)."""
+    from a2a.backends import BackendUnavailable
+    return isinstance(error, (BackendUnavailable, Unavailable))
 
 
 class Progress:
@@ -188,7 +186,7 @@ def _oracle_output(stage: Stage, paths: list[Path], ctx: RunContext) -> tuple[An
     try:
         return _call_once(oracle), ""
     except Exception as error:  # the oracle itself failed: nothing can be checked
-        return None, f"oracle failed: {_brief(error)}"
+        return None, f"oracle failed: {brief_error(error)}"
 
 
 def _call_once(path: Path, run: Optional[Any] = None) -> Any:
@@ -223,12 +221,12 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
             if path.checked is not None:  # the same op with its input checks on
                 check(_call_once(path, path.checked), ref, inputs, shape)
     except AssertionError as error:
-        ok, note = False, f"mismatch: {_brief(error)}"
+        ok, note = False, f"mismatch: {brief_error(error)}"
     except Exception as error:
         if _is_backend_unavailable(error):
             ok, note = None, f"not available: {error}"
         else:
-            ok, note = False, f"error: {_brief(error)}"
+            ok, note = False, f"error: {brief_error(error)}"
     if not ctx.agree(ok is True):
         if ok is True:
             failed = [f"rank {rank}: {their_note}" for rank, (their_ok, their_note)
@@ -240,7 +238,7 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
     try:
         timing = _time(stage, path, ctx)
     except Exception as error:
-        return record(ok=False, note=f"timing failed: {_brief(error)}")
+        return record(ok=False, note=f"timing failed: {brief_error(error)}")
     note = "; ".join(part for part in (note, path.timed, timing.remark) if part)
     row = record(ok=True, note=note, timing=timing)
     if ctx.kernel_times and not ctx.interpreter and path.before is None and path.after is None:
@@ -250,7 +248,7 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
                     path.run, barrier=ctx.barrier if stage.distributed else None)
         except Exception as error:  # noqa: BLE001 - a diagnostic; the timed row stands
             row["note"] = "; ".join(p for p in (row["note"], f"kernel times failed: "
-                                                f"{_brief(error)}") if p)
+                                                f"{brief_error(error)}") if p)
     return row
 
 
@@ -264,10 +262,9 @@ def _time(stage: Stage, path: Path, ctx: RunContext) -> Timing:
                     return ctx.slowest(time_graph_fixed(path.run, barrier=ctx.barrier,
                                                         agree=ctx.agree))
                 except CaptureFailed as error:  # on every rank (time_graph_fixed agrees)
-                    timing = ctx.slowest(time_fixed(path.run, barrier=ctx.barrier))
-                    return Timing(timing.median_us, timing.p20_us, timing.p80_us,
-                                  timing.method, f"declared capture-safe but the CUDA-graph "
-                                  f"capture failed ({error}): timed eagerly")
+                    return with_remark(ctx.slowest(time_fixed(path.run, barrier=ctx.barrier)),
+                                       f"declared capture-safe but the CUDA-graph capture "
+                                       f"failed ({error}): timed eagerly")
             return ctx.slowest(time_fixed(path.run, before=path.before, after=path.after,
                                           barrier=ctx.barrier))
         # Graph replay only for the paths that declare themselves free of host syncs: a
@@ -284,15 +281,15 @@ def make_record(stage: Stage, shape: dict, ctx: RunContext, backend: str, *,
     hbm_local = traffic.get("hbm_local", local)
     record = {
         "stage": stage.name, "backend": backend, "gpu": ctx.gpu, "num_gpus": ctx.world_size,
-        "shape": dict(shape), "dtype": stage.dtype(shape),
-        "time_us": None, "p20_us": None, "p80_us": None,
+        "distributed": stage.distributed, "shape": dict(shape), "dtype": stage.dtype(shape),
+        "time_us": None, "p20_us": None, "p80_us": None, "std_us": None,
         "bytes": local + remote, "local_bytes": local, "remote_bytes": remote,
         "hbm_bytes": hbm_local,
         "gbps": None, "pct_of_limit": None, "ok": ok, "note": note, "timing": None,
     }
     if timing is not None:
         record.update(time_us=timing.median_us, p20_us=timing.p20_us, p80_us=timing.p80_us,
-                      timing=timing.method,
+                      std_us=timing.std_us, timing=timing.method,
                       gbps=(local + remote) / (timing.median_us * 1e3) if timing.median_us > 0
                       else None,
                       pct_of_limit=percent_of_limit(hbm_local, remote, timing.median_us,

@@ -2,23 +2,28 @@
 
 A :class:`Stage` says which shape keys it sweeps, how to build its inputs, which paths
 (backends) can run them, how to compare a path's output with the oracle's (the ``torch`` path,
-``kernels/reference.py``), and how many bytes an ideal kernel moves (the ``traffic`` formula,
+``kernels.reference``), and how many bytes an ideal kernel moves (the ``traffic`` formula,
 written out per stage below). The loop that runs them all is ``bench/runner.py``; the stages that
 need several ranks are in ``bench/transport.py``.
 
-A path whose module is not written yet, or whose backend cannot run here, is listed with the
-reason instead of a function (:class:`Path` with ``run=None``).
+A path whose backend cannot run here is listed with the reason instead of a function
+(:class:`Path` with ``run=None``): the stage switch's ``a2a.backends.why_unavailable`` gives it.
+
+The library is imported inside the functions, never at module level: the bench decides whether
+Triton interprets (``TRITON_INTERPRET``, bench/cli.py) before anything imports triton.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+
+from bench.timing import brief_error
 
 # Float outputs are compared with the library's one table; index outputs and quantized codes /
 # scales exactly.
@@ -35,12 +40,14 @@ PREPARE_EP_SIZE = 8
 # (Zipf-like: with E=256 the top 8 experts take ~half of the pairs).
 SKEW_EXPONENT = 1.2
 SEED = 0
-# torch.compile of the oracle compiles once per shape; the sweep has up to ~50 quantize shapes.
+# torch.compile of the oracle: dynamo's recompile limit while the compiled oracle runs (its
+# default, 8, is below the number of quantize shapes and layouts of a sweep; past it dynamo
+# would silently run the function eagerly).
 COMPILE_RECOMPILE_LIMIT = 256
 
 
 class Unavailable(Exception):
-    """A path cannot run here: its module is not written yet or its backend refuses."""
+    """A path cannot run here; the message (``"not available: ..."``) says why."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +95,19 @@ class Sweep:
         return {"tokens": self.tokens, "hidden": self.hidden, "experts": self.experts,
                 "top_k": self.top_k, "routing": self.routing}[key]
 
+    def describe(self) -> str:
+        """The grid in words, e.g. ``T {16,512} x H 7168 x E 256 x k 8, uniform routing``."""
+        def axis(name, values):
+            return f"{name} {values[0]}" if len(values) == 1 else \
+                f"{name} {{{','.join(str(v) for v in values)}}}"
+        grid = " x ".join(axis(name, values) for name, values in (
+            ("T", self.tokens), ("H", self.hidden), ("E", self.experts), ("k", self.top_k)))
+        targets = ", plus the target shapes" if self.extra_shapes else ""
+        return f"{grid}, {' and '.join(self.routing)} routing{targets}"
 
-# The issue's grid: 6 token counts x H {4096, 7168} x E {64, 256} x k {4, 8} x 2 routings, plus
-# the target shapes. Too big for one GPU call at large T: bench/cli.py's --budget (GPU default)
+
+# The full grid: 6 token counts x H {4096, 7168} x E {64, 256} x k {4, 8} x 2 routings, plus the
+# target shapes. Too big for one GPU call at large T: bench/cli.py's --budget (GPU default)
 # stops starting shapes at the deadline and lists the ones it skipped.
 DEFAULT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(4096, 7168),
                       experts=(64, 256), top_k=(4, 8), routing=("uniform", "skewed"),
@@ -169,46 +186,34 @@ class Stage:
 # ---------------------------------------------------------------------------------------------
 
 def load(module: str, name: str) -> Callable:
-    """``module.name``, or :class:`Unavailable` saying which part is not written yet."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as error:
-        raise Unavailable(f"not available: {module} cannot be imported ({error})") from None
-    if not hasattr(mod, name):
-        raise Unavailable(f"not available: {module}.{name} is not written yet")
-    return getattr(mod, name)
+    """``module.name``, imported when called. Only bench/transport.py still names the library
+    this way; the stages of this file import it directly."""
+    return getattr(importlib.import_module(module), name)
 
 
 def make_path(backend: str, factory: Callable[[], Callable[[], Any]], **kwargs) -> Path:
-    """A :class:`Path` from ``factory() -> run``; an :class:`Unavailable` (or the stage
-    switch's BackendUnavailable) raised while building it becomes the reason; any other error
-    too, as ``"error: ..."`` (the runner marks that path failed, ok=False)."""
+    """A :class:`Path` from ``factory() -> run``; an :class:`Unavailable` or the stage switch's
+    ``a2a.backends.BackendUnavailable`` raised while building it becomes the reason; any other
+    error too, as ``"error: ..."`` (the runner marks that path failed, ok=False)."""
     try:
         return Path(backend, run=factory(), **kwargs)
     except Unavailable as why:
         return Path(backend, reason=str(why), **kwargs)
     except Exception as error:  # the switch refused, or building the path failed
-        text = str(error).strip().splitlines()
-        text = text[0] if text else ""
-        if type(error).__name__ == "BackendUnavailable":
-            return Path(backend, reason=f"not available: {text}", **kwargs)
-        return Path(backend, reason=f"error: setup failed: {type(error).__name__}: {text}"[:300],
-                    **kwargs)
+        from a2a.backends import BackendUnavailable
+        if isinstance(error, BackendUnavailable):
+            lines = str(error).strip().splitlines()
+            return Path(backend, reason=f"not available: {lines[0] if lines else ''}", **kwargs)
+        return Path(backend, reason=f"error: setup failed: {brief_error(error)}"[:300], **kwargs)
 
 
 def stage_backend(stage: str, backend: str, device: torch.device, **context) -> None:
-    """Raise :class:`Unavailable` when the stage switch says ``backend`` cannot run ``stage``."""
-    why = load("a2a.backends", "why_unavailable")(stage, backend, device, **context)
+    """Raise :class:`Unavailable` when the stage switch says ``backend`` cannot run ``stage``
+    (``context``: what the stage's rule needs, e.g. ``method=`` for routing)."""
+    from a2a.backends import why_unavailable
+    why = why_unavailable(stage, backend, device, **context)
     if why is not None:
         raise Unavailable(f"not available: {why}")
-
-
-def accepts(fn: Callable, keyword: str) -> bool:
-    """Whether ``fn`` takes the keyword argument ``keyword`` (e.g. a ``check_ids`` fast path)."""
-    try:
-        return keyword in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def generator(device: torch.device, salt: int = 0) -> torch.Generator:
@@ -270,16 +275,14 @@ def assert_same(out: Any, ref: Any, *, what: str = "output", tol: Optional[dict]
     assert mismatched == 0, f"{what}: {mismatched} of {ref.numel()} entries differ"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "int32"}.get(
-        dtype, str(dtype).replace("torch.", ""))
-
-
 # ---------------------------------------------------------------------------------------------
 # Routing: logits [T, E] fp32 -> ids [T, k] int32, weights [T, k] fp32
 # ---------------------------------------------------------------------------------------------
 
-def _routing_build(shape: dict, device: torch.device, ctx=None) -> dict:
+def routing_inputs(shape: dict, device: torch.device, ctx=None) -> dict:
+    """The routing stage's inputs for ``shape``: ``logits`` [T, E] fp32 (skewed: expert e's
+    logit lowered by 1.2 * log(e+1)) and the method's ``options`` (DeepSeek-V3: bias [E] fp32,
+    8 groups keep 4, scaling 2.5)."""
     gen = generator(device, 1)
     tokens, experts = shape["tokens"], shape["experts"]
     logits = torch.randn(tokens, experts, generator=gen, device=device, dtype=torch.float32)
@@ -301,23 +304,23 @@ def _routing_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
     def public(backend):
         def factory():
-            route = load("a2a.routing", "route_topk")
+            from a2a.routing import route_topk
             stage_backend("routing", backend, logits.device, method=method)
-            return lambda: route(logits, k, method, backend=backend, **options)
+            return lambda: route_topk(logits, k, method, backend=backend, **options)
         return factory
 
     def oracle():
-        route = load("kernels.reference", "route_topk")
-        return lambda: route(logits, k, method, **options)
+        from kernels.reference import route_topk
+        return lambda: route_topk(logits, k, method, **options)
 
     # Both kernels' argument checks are host-side only (no reads of the logits).
     return [make_path("triton", public("triton"), capture_safe=True),
             make_path("flashinfer", public("flashinfer"), capture_safe=True,
-                      check=_routing_check_near_ties if method == "deepseek_v3" else None),
+                      check=check_routing_near_ties if method == "deepseek_v3" else None),
             make_path("torch", oracle)]
 
 
-def _routing_check(out, ref, inputs, shape) -> None:
+def check_routing(out, ref, inputs, shape) -> None:
     """Same set of ids per token (order inside a row may differ: FlashInfer sorts by weight,
     ties aside), same weight for each id."""
     (ids, weights), (ref_ids, ref_weights) = out, ref
@@ -327,10 +330,11 @@ def _routing_check(out, ref, inputs, shape) -> None:
                 tol=ROUTING_WEIGHT_TOL)
 
 
-def _routing_check_near_ties(out, ref, inputs, shape) -> Optional[str]:
+def check_routing_near_ties(out, ref, inputs, shape) -> Optional[str]:
     """FlashInfer's fused_topk_deepseek (sigmoid via tanh): the id set of a row may differ from
     the oracle's only on a near-tie (bench/near_ties.py), in at most MAX_NEAR_TIE_ROWS of the
-    rows; the rows whose sets agree are checked as :func:`_routing_check` does."""
+    rows; the rows whose sets agree are checked as :func:`check_routing` does. Returns a remark
+    for the row's note ("" when every set agrees)."""
     from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
     (ids, weights), (ref_ids, ref_weights) = out, ref
     assert_same(ids.dtype, ref_ids.dtype, what="ids dtype")
@@ -381,7 +385,7 @@ ROUTING = Stage(
                         routing="uniform"),
                    dict(method="softmax_topk", tokens=8192, experts=128, top_k=4,
                         routing="uniform")],
-    build=_routing_build, paths=_routing_paths, check=_routing_check,
+    build=routing_inputs, paths=_routing_paths, check=check_routing,
     traffic=_routing_traffic, dtype=lambda shape: "fp32", graph=True)
 
 
@@ -396,31 +400,27 @@ def _prepare_build(shape: dict, device: torch.device, ctx=None) -> dict:
 
 
 def _prepare_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
-    ids, experts, ep = inputs["topk_ids"], shape["experts"], shape["ep_size"]
+    ids, experts, ep, tokens = inputs["topk_ids"], shape["experts"], shape["ep_size"], \
+        shape["tokens"]
 
     def oracle():
-        plan = load("kernels.reference", "local_send_plan")
-        return lambda: plan(ids, experts, ep, max_tokens_per_rank=shape["tokens"])
+        from kernels.reference import local_send_plan
+        return lambda: local_send_plan(ids, experts, ep, max_tokens_per_rank=tokens)
 
-    def checked():
-        # No stage switch here: its "prepare" rule is about the cross-rank prepare (peer-mapped
-        # memory); the local plan is a plain kernel that runs wherever Triton does.
-        plan = load("kernels.prepare", "local_send_plan")
-        return lambda: plan(ids, experts, ep, max_tokens_per_rank=shape["tokens"])
+    # No stage switch here: its "prepare" rule is about the cross-rank prepare (peer-mapped
+    # memory); the local plan is a plain kernel that runs wherever Triton does.
+    def triton(check_ids: bool):
+        from kernels.prepare import local_send_plan
+        return lambda: local_send_plan(ids, experts, ep, max_tokens_per_rank=tokens,
+                                       check_ids=check_ids)
 
-    triton_path = make_path("triton", checked)
-    plan = load("kernels.prepare", "local_send_plan") if triton_path.run is not None else None
-    if plan is not None and accepts(plan, "check_ids"):
-        # The id range check reads the ids (a host sync): checked once, timed without it.
-        triton_path = Path("triton", run=lambda: plan(ids, experts, ep, check_ids=False,
-                                                      max_tokens_per_rank=shape["tokens"]),
-                           checked=triton_path.run, capture_safe=True,
-                           timed="timed: kernels.prepare.local_send_plan(check_ids=False)")
-    elif plan is not None:
-        triton_path = Path("triton", run=triton_path.run,
-                           timed="timed: kernels.prepare.local_send_plan incl. its host-sync "
-                                 "id check")
-    return [triton_path, make_path("torch", oracle)]
+    # The id range check reads the ids back (a host sync): the call with it is checked against
+    # the oracle too, the one without it is timed.
+    path = make_path("triton", lambda: triton(False), capture_safe=True,
+                     timed="timed: local_send_plan(check_ids=False)")
+    if path.run is not None:
+        path = dataclasses.replace(path, checked=triton(True))
+    return [path, make_path("torch", oracle)]
 
 
 def _prepare_traffic(shape: dict, inputs=None) -> dict:
@@ -462,78 +462,80 @@ def _quantize_call(fn: Callable, shape: dict, x: torch.Tensor,
     return lambda: fn(x, global_scale, layout=layout, **backend)
 
 
-QUANT_FUNCTIONS = {"nvfp4_linear": "quantize_nvfp4", "nvfp4_swizzled": "quantize_nvfp4",
-                   "mxfp8": "quantize_mxfp8", "global_scale": "nvfp4_global_scale"}
+QUANTIZE_OPS = ("nvfp4_linear", "nvfp4_swizzled", "mxfp8", "global_scale")
+# Inductor options that keep the compiled oracle bit-exact with eager torch where Inductor
+# allows it: emulate_precision_casts keeps eager's bf16/fp32 roundings between fused ops and
+# turns off Triton's mul+add -> FMA contraction (enable_fp_fusion), which otherwise changes the
+# last bit of the scale arithmetic and so some FP4 codes.
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
+COMPILE_NOTE = "torch.compile(options={'emulate_precision_casts': True}): eager roundings, no FMA"
+
+
+def quantize_functions(op: str) -> tuple[Callable, Callable]:
+    """(the public stage function in ``a2a.quantize``, its oracle in ``kernels.reference``) of
+    the quantize op ``op`` (one of :data:`QUANTIZE_OPS`)."""
+    from a2a import quantize as public
+    from kernels import reference
+    if op == "mxfp8":
+        return public.quantize_mxfp8, reference.quantize_mxfp8
+    if op == "global_scale":
+        return public.nvfp4_global_scale, reference.nvfp4_global_scale
+    return public.quantize_nvfp4, reference.quantize_nvfp4
 
 
 def _quantize_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
-    x, name = inputs["x"], QUANT_FUNCTIONS[shape["op"]]
+    x, op = inputs["x"], shape["op"]
     holder: dict = {}
 
-    def global_scale():
-        # The oracle's global scale, computed once, shared by every path (untimed).
+    def global_scale() -> Optional[torch.Tensor]:
+        """The oracle's global scale for the NVFP4 ops (None for the others, which take none),
+        computed once and shared by every path (untimed)."""
+        if not op.startswith("nvfp4"):
+            return None
         if "gs" not in holder:
-            holder["gs"] = load("kernels.reference", "nvfp4_global_scale")(x)
+            from kernels.reference import nvfp4_global_scale
+            holder["gs"] = nvfp4_global_scale(x)
         return holder["gs"]
 
     def public(backend):
         def factory():
-            fn = load("a2a.quantize", name)
-            stage_backend("quantize", backend, x.device)
-            return _quantize_call(fn, shape, x, _lazy(global_scale, shape), backend=backend)
+            fn, _ = quantize_functions(op)
+            # The switch's rule for the op: FlashInfer has no global-scale kernel at all.
+            context = {"op": "global_scale"} if op == "global_scale" else {}
+            stage_backend("quantize", backend, x.device, **context)
+            return _quantize_call(fn, shape, x, global_scale(), backend=backend)
         return factory
 
     def oracle():
-        return _quantize_call(load("kernels.reference", name), shape, x,
-                              _lazy(global_scale, shape))
+        _, fn = quantize_functions(op)
+        return _quantize_call(fn, shape, x, global_scale())
 
     def compiled():
         if x.device.type != "cuda":
             raise Unavailable("not available: torch.compile is timed on GPU only (the CPU run "
                               "checks the interpreter, its timings mean nothing)")
-        # One compiled function per op for the whole run; raise dynamo's recompile limit
-        # (8 by default), past which it would silently run the function eagerly.
         import torch._dynamo
-        for limit in ("cache_size_limit", "recompile_limit"):
-            if hasattr(torch._dynamo.config, limit):
-                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit),
-                                                         COMPILE_RECOMPILE_LIMIT))
+        _, fn = quantize_functions(op)
         cache = ctx.shared.setdefault("compiled", {})
-        if name not in cache:
-            # dynamic=True: one compile per op (and layout) for all token counts.
-            cache[name] = torch.compile(load("kernels.reference", name), dynamic=True,
-                                        options=compile_options())
-        return _quantize_call(cache[name], shape, x, _lazy(global_scale, shape))
+        if fn not in cache:
+            # One compiled function per oracle for the whole run; dynamic=True: one compile per
+            # op (and layout) for all token counts.
+            cache[fn] = torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS)
+        call = _quantize_call(cache[fn], shape, x, global_scale())
+
+        def run():
+            # Past dynamo's recompile limit the function would silently run eagerly.
+            with torch._dynamo.config.patch(recompile_limit=COMPILE_RECOMPILE_LIMIT):
+                return call()
+        return run
 
     # Triton and the compiled oracle: CUDA-graph replay, each call after an L2 flush (the
-    # kernel from a cold cache without the host's launch cost; eager timing showed the host at
-    # [128, 7168]). A failed capture falls back to eager timing, with a remark.
+    # kernel from a cold cache without the host's launch cost, which eager timing would show
+    # for the small shapes). A failed capture falls back to eager timing, with a remark.
     return [make_path("triton", public("triton"), capture_safe=True),
             make_path("flashinfer", public("flashinfer")),
             make_path("torch", oracle),
-            make_path("torch_compile", compiled, timed=compile_note(), capture_safe=True)]
-
-
-def compile_options() -> dict:
-    """Inductor options that keep the compiled oracle bit-exact with eager torch where
-    Inductor allows it: ``emulate_precision_casts`` keeps eager's bf16/fp32 roundings between
-    fused ops and turns off Triton's mul+add -> FMA contraction (``enable_fp_fusion``), which
-    otherwise changes the last bit of the scale arithmetic and so some FP4 codes."""
-    import torch._inductor.config as inductor
-    return {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") \
-        else {}
-
-
-def compile_note() -> str:
-    if compile_options():
-        return "torch.compile(options={'emulate_precision_casts': True}): eager roundings, no FMA"
-    return ("torch.compile: this torch's Inductor has no emulate_precision_casts, FMA "
-            "contraction stays on (codes may differ in the last bit)")
-
-
-def _lazy(global_scale: Callable[[], torch.Tensor], shape: dict):
-    """The global scale tensor for NVFP4 ops (None for the others, which take none)."""
-    return global_scale() if shape["op"].startswith("nvfp4") else None
+            make_path("torch_compile", compiled, timed=COMPILE_NOTE, capture_safe=True)]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -558,7 +560,7 @@ def _quantize_traffic(shape: dict, inputs=None) -> dict:
 
 QUANTIZE = Stage(
     name="quantize", keys=("tokens", "hidden"),
-    variants=tuple({"op": op} for op in QUANT_FUNCTIONS),
+    variants=tuple({"op": op} for op in QUANTIZE_OPS),
     extra=lambda: [dict(op="nvfp4_linear", tokens=8192, hidden=7168),
                    dict(op="nvfp4_linear", tokens=128, hidden=7168),
                    dict(op="mxfp8", tokens=8192, hidden=7168),
@@ -579,7 +581,8 @@ def _permute_build(shape: dict, device: torch.device, ctx=None) -> dict:
     if shape["op"] == "permute_by_expert":
         return inputs
     # The other two ops run on the oracle's permutation (the same input for every path).
-    permutation = load("kernels.reference", "permute_by_expert")(ids, shape["experts"])
+    from kernels.reference import permute_by_expert
+    permutation = permute_by_expert(ids, shape["experts"])
     gen = generator(device, 3)
     t, h, k = shape["tokens"], shape["hidden"], shape["top_k"]
     if shape["op"] == "gather_rows":
@@ -594,42 +597,51 @@ def _permute_build(shape: dict, device: torch.device, ctx=None) -> dict:
     return inputs
 
 
+PERMUTE_OPS = ("permute_by_expert", "gather_rows", "unpermute_and_reduce")
+
+
+def permute_functions(op: str) -> tuple[Callable, Callable]:
+    """(the public stage function in ``a2a.permute``, its oracle in ``kernels.reference``) of
+    the permute op ``op`` (one of :data:`PERMUTE_OPS`)."""
+    from a2a import permute as public
+    from kernels import reference
+    if op == "permute_by_expert":
+        return public.permute_by_expert, reference.permute_by_expert
+    if op == "gather_rows":
+        return public.gather_rows, reference.gather_rows
+    return public.unpermute_and_reduce, reference.unpermute_and_reduce
+
+
 def _permute_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     op, device = shape["op"], inputs["topk_ids"].device
 
-    def call(fn, **backend):
+    def call(fn, **options):
         if op == "permute_by_expert":
-            return lambda: fn(inputs["topk_ids"], shape["experts"], **backend)
+            return lambda: fn(inputs["topk_ids"], shape["experts"], **options)
         if op == "gather_rows":
-            return lambda: fn(inputs["x"], inputs["rows"], **backend)
+            return lambda: fn(inputs["x"], inputs["rows"], **options)
         return lambda: fn(inputs["expert_out"], inputs["permutation"], inputs["topk_weights"],
-                          **backend)
+                          **options)
 
-    def public(backend):
+    def public(backend, **options):
         def factory():
-            fn = load("a2a.permute", op)
+            fn, _ = permute_functions(op)
             stage_backend("permute", backend, device)
-            return call(fn, backend=backend)
+            return call(fn, backend=backend, **options)
         return factory
 
-    def triton_path() -> Path:
-        if op != "permute_by_expert":
-            # gather_rows and unpermute_and_reduce check shapes and dtypes on the host only.
-            return make_path("triton", public("triton"), capture_safe=True)
-        path = make_path("triton", public("triton"))
-        if path.run is None:
-            return path
-        fn = load("a2a.permute", op)
-        if accepts(fn, "check_ids"):  # a public sync-free call: time it, check both
-            return Path("triton", run=call(fn, backend="triton", check_ids=False),
-                        checked=path.run, capture_safe=True,
-                        timed="timed: a2a.permute.permute_by_expert(check_ids=False)")
-        return Path("triton", run=path.run,
-                    timed="timed: a2a.permute.permute_by_expert incl. its host-sync id range "
-                          "check (no public sync-free call yet)")
-
-    return [triton_path(), make_path("flashinfer", public("flashinfer")),
-            make_path("torch", lambda: call(load("kernels.reference", op)))]
+    if op == "permute_by_expert":
+        # The id range check reads a device flag back (a host sync): the call with it is
+        # checked against the oracle too, the one without it (check_ids=False) is timed.
+        triton = make_path("triton", public("triton", check_ids=False), capture_safe=True,
+                           timed="timed: permute_by_expert(check_ids=False)")
+        if triton.run is not None:
+            triton = dataclasses.replace(triton, checked=public("triton")())
+    else:
+        # gather_rows and unpermute_and_reduce check shapes and dtypes on the host only.
+        triton = make_path("triton", public("triton"), capture_safe=True)
+    return [triton, make_path("flashinfer", public("flashinfer")),
+            make_path("torch", lambda: call(permute_functions(op)[1]))]
 
 
 def _permute_traffic(shape: dict, inputs=None) -> dict:
@@ -640,9 +652,10 @@ def _permute_traffic(shape: dict, inputs=None) -> dict:
         return {"local": 12 * pairs + 8 * e + 4}
     h = shape["hidden"]
     if shape["op"] == "gather_rows":
-        # Effective bytes (GB/s column, the issue's unit): read the row index P*4 and P rows of
-        # bf16, write P rows: 4*P*H + 4*P. Each token row is read k times, mostly from L2: the
-        # % limit column uses the HBM minimum instead, T rows read once: 2*T*H + 2*P*H + 4*P.
+        # Effective bytes (the GB/s column, the unit of its target): read the row index P*4
+        # and P rows of bf16, write P rows: 4*P*H + 4*P. Each token row is read k times, mostly
+        # from L2: the % limit column uses the HBM minimum instead, T rows read once:
+        # 2*T*H + 2*P*H + 4*P.
         return {"local": 4 * pairs * h + 4 * pairs,
                 "hbm_local": 2 * t * h + 2 * pairs * h + 4 * pairs}
     # unpermute_and_reduce: read P rows of bf16, inverse and weights T*k*(4+4); write T rows.
@@ -651,8 +664,7 @@ def _permute_traffic(shape: dict, inputs=None) -> dict:
 
 PERMUTE = Stage(
     name="permute", keys=("tokens", "hidden", "experts", "top_k", "routing"),
-    variants=tuple({"op": op}
-                   for op in ("permute_by_expert", "gather_rows", "unpermute_and_reduce")),
+    variants=tuple({"op": op} for op in PERMUTE_OPS),
     extra=lambda: [dict(op=op, tokens=8192, hidden=7168, experts=256, top_k=8,
                         routing="uniform") for op in ("gather_rows", "unpermute_and_reduce")],
     build=_permute_build, paths=_permute_paths,

@@ -1,4 +1,4 @@
-"""Performance targets stated in the issues, checked with ``--targets``.
+"""The project's performance targets, checked with ``--targets``.
 
 Each target names a stage, the shape entries it applies to and a bound on the ``triton`` row.
 The shapes are added to the sweep as explicit extra shapes (``Stage.extra`` in bench/stages.py),
@@ -107,10 +107,13 @@ TARGETS = (
 def judge_targets(records: list[dict]) -> None:
     """Set ``target`` (the stated texts, joined by "; ") and ``target_pass`` on every record a
     target applies to: False if one fails, else None if one could not be judged (untimed row or
-    twin), else True."""
+    twin), else True. Records no current target applies to lose both (a result file read
+    again, e.g. by --readme-from, may carry verdicts of older targets)."""
     for record in records:
         hits = [target for target in TARGETS if target.applies(record)]
         if not hits:
+            record.pop("target", None)
+            record.pop("target_pass", None)
             continue
         verdicts = [target.judge(record, records) for target in hits]
         record["target"] = "; ".join(target.text for target in hits)

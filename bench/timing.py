@@ -23,6 +23,7 @@ bandwidth; every row reports its fraction of these.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Timing:
     p80_us: float
     method: str
     remark: str = ""  # e.g. why a graph timing fell back to eager timing
+    std_us: Optional[float] = None  # population standard deviation of the samples
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -80,7 +82,13 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def _from_samples(samples_ms: list[float], method: str) -> Timing:
     ordered = sorted(samples_ms)
     return Timing(statistics.median(ordered) * 1e3, _quantile(ordered, LOW_Q) * 1e3,
-                  _quantile(ordered, HIGH_Q) * 1e3, method)
+                  _quantile(ordered, HIGH_Q) * 1e3, method,
+                  std_us=statistics.pstdev(ordered) * 1e3)
+
+
+def with_remark(timing: Timing, remark: str) -> Timing:
+    """``timing`` with ``remark`` (e.g. why a graph timing fell back to eager timing)."""
+    return dataclasses.replace(timing, remark=remark)
 
 
 class CaptureFailed(RuntimeError):
@@ -97,10 +105,8 @@ def time_gpu(fn: Callable[[], object], *, graph: bool = False, flush: bool = Fal
         try:
             return time_graph_flushed(fn) if flush else time_graph(fn)
         except CaptureFailed as error:
-            timing = time_eager(fn)
-            return Timing(timing.median_us, timing.p20_us, timing.p80_us, timing.method,
-                          f"declared capture-safe but the CUDA-graph capture failed ({error}): "
-                          f"timed eagerly")
+            return with_remark(time_eager(fn), f"declared capture-safe but the CUDA-graph "
+                                               f"capture failed ({error}): timed eagerly")
     return time_eager(fn)
 
 
@@ -145,9 +151,11 @@ def time_eager(fn: Callable[[], object], *, warmup_ms: float = WARMUP_MS,
     return _from_samples([b.elapsed_time(f) for b, f in zip(starts, ends)], "eager_l2_flushed")
 
 
-def _brief(error: BaseException) -> str:
+def brief_error(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters: an error as a row's
+    note or a remark shows it."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:limit]
 
 
 def _capture(fn: Callable[[], object], calls: int, stream) -> "torch.cuda.CUDAGraph":
@@ -170,7 +178,7 @@ def _capture(fn: Callable[[], object], calls: int, stream) -> "torch.cuda.CUDAGr
         except Exception as raised:  # the capture was invalidated: CUDA still ended it
             error = error or raised
     if error is not None:
-        raise CaptureFailed(_brief(error)) from error
+        raise CaptureFailed(brief_error(error, 200)) from error
     return cuda_graph
 
 
@@ -194,7 +202,7 @@ def _recover_from_failed_capture(device: torch.device, stream, rng_state: torch.
         torch.empty(1, device=device).uniform_()  # uses the default generator
     except RuntimeError as error:
         raise RuntimeError(f"a failed CUDA-graph capture left torch's default CUDA generator "
-                           f"broken ({_brief(error)}); restart the process") from error
+                           f"broken ({brief_error(error, 200)}); restart the process") from error
     finally:
         torch.cuda.set_rng_state(rng_state, device)
 
@@ -381,7 +389,7 @@ def time_cpu(fn: Callable[[], object], *, reps: int = CPU_REPS) -> Timing:
 # Limits
 # ---------------------------------------------------------------------------------------------
 
-def _peer_store_kernel():
+def peer_store_kernel():
     """A Triton copy kernel whose stores go to another GPU's memory (built on first use)."""
     import triton
     import triton.language as tl
@@ -399,7 +407,8 @@ def _peer_store_kernel():
     return peer_store
 
 
-# CTAs of the peer-store probe: design.md saw 32-64 CTAs reach ~350 GB/s per direction on H200.
+# The peer-store probe's persistent grid (CTAs) and int32 words per step (16-byte stores): enough
+# store streams to keep one direction of the NVLink peer path busy.
 PEER_STORE_CTAS = 64
 PEER_STORE_BLOCK = 4096
 
@@ -428,7 +437,7 @@ def measure_limits(device: torch.device) -> dict:
     dst = torch.empty(PEER_PROBE_BYTES // 4, dtype=torch.int32, device=peer)
     dst.copy_(src)  # makes torch enable peer access between the two devices
     try:
-        kernel = _peer_store_kernel()
+        kernel = peer_store_kernel()
         words = src.numel()
 
         def store():

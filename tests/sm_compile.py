@@ -99,8 +99,8 @@ def launch_everything() -> None:
         Q.unswizzle_scales(swizzled, layout, 300, 448)
     from bench import timing
     words = torch.zeros(1024, dtype=torch.int32)
-    timing._peer_store_kernel()[(timing.PEER_STORE_CTAS,)](words, words, words.numel(),
-                                                           BLOCK=timing.PEER_STORE_BLOCK)
+    timing.peer_store_kernel()[(timing.PEER_STORE_CTAS,)](words, words, words.numel(),
+                                                          BLOCK=timing.PEER_STORE_BLOCK)
 
     logits = torch.zeros(64, 256)
     routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,

@@ -7,6 +7,7 @@ times by CUDA-graph capture, which must never run inside the pytest process (a f
 could leave torch's CUDA state broken for every later test), and without a GPU the subprocess
 hides CUDA and runs the interpreter, so the same test runs on both machines."""
 
+import csv
 import glob
 import json
 import os
@@ -103,9 +104,16 @@ def test_runner_checks_before_timing():
 
 
 def test_make_path_turns_refusals_into_reasons():
+    from a2a.backends import BackendUnavailable
+
     def refuse():
         raise Unavailable("not available: refused")
+
+    def switch_refuses():
+        raise BackendUnavailable("quantize backend 'flashinfer' cannot run here: why\nmore")
     assert make_path("triton", refuse) == Path("triton", reason="not available: refused")
+    assert make_path("flashinfer", switch_refuses).reason == \
+        "not available: quantize backend 'flashinfer' cannot run here: why"
     path = make_path("triton", lambda: (lambda: 7))
     assert path.run() == 7 and path.reason == ""
 
@@ -115,6 +123,76 @@ def test_backend_filter_keeps_the_oracle_for_checking():
     records = run_stages([_cumsum_stage()], TINY, ctx, backends={"flashinfer"}, progress=False)
     assert [r["backend"] for r in records] == ["flashinfer", "flashinfer"]
     assert all(r["ok"] is False for r in records)  # checked against the (hidden) oracle
+
+
+def test_cpu_run_names_the_options_that_do_not_apply(tmp_path):
+    """Without a GPU: one line on stderr names every GPU-only option given, with its reason;
+    the CPU grid runs instead of --sweep deepseek; --targets adds no column; the terminal
+    table fits 120 columns; --csv writes the rows under FlashInfer's column names."""
+    path = tmp_path / "rows.csv"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "bench", "--stages", "prepare", "--tokens", "7",
+                           "--sweep", "deepseek", "--gpus", "2", "--kernel-times", "--targets",
+                           "--bundle", "--no-progress", "--csv", str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "not applied" in line]
+    assert len(said) == 1, done.stderr
+    for option in ("--sweep deepseek", "--gpus 2", "--kernel-times", "--targets", "--bundle"):
+        assert option in said[0], said[0]
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    assert "target" not in lines[2] and not any(line.startswith("targets:") for line in lines)
+    assert "prepare local R=8 T=7 E=16 k=4 uniform" in done.stdout  # the CPU grid's E and k
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    local = [r for r in rows if r["routine"] == "prepare_local" and r["backend"] == "triton"]
+    assert len(local) == 2 and all(r["ok"] == "ok" and r["ep_size"] == "8" for r in local)
+
+
+def test_quick_does_what_its_help_says(capsys, monkeypatch):
+    from bench.cli import pick_sweep
+    from bench.stages import CPU_QUICK_SWEEP, QUICK_SWEEP
+    assert pick_sweep(parse_args(["--quick"]), on_gpu=True) == QUICK_SWEEP
+    assert pick_sweep(parse_args(["--quick"]), on_gpu=False) == CPU_QUICK_SWEEP
+    assert pick_sweep(parse_args(["--sweep", "deepseek", "--quick"]), on_gpu=True) == QUICK_SWEEP
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps help at $COLUMNS: one line per option
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    (quick,) = [line for line in capsys.readouterr().out.splitlines()
+                if line.strip().startswith("--quick")]
+    # Written out here, not read from the sweeps: the help names both grids.
+    assert "T {16,512,8192} x H 7168 x E 256 x k 8, uniform routing" in quick
+    assert "without one: T 7 x H 128 x E 16 x k 4, uniform routing" in quick
+
+
+def test_help_reads_well_on_its_own(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]
+    assert description.startswith("Benchmark every stage") and description.endswith(".")
+    assert "issue" not in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    for option in ("--quick", "--csv", "--readme-from", "--targets", "--budget"):
+        assert option in text
+    assert "examples:" in text and "sweeps (--sweep) on a GPU:" in text
+
+
+def test_options_not_applied_only_without_a_gpu():
+    from bench.cli import options_not_applied
+    args = parse_args(["--sweep", "transport", "--kernel-times", "--targets", "--gpus", "2",
+                       "--no-plots", "--bundle"])
+    assert options_not_applied(args, on_gpu=True) == []
+    said = options_not_applied(args, on_gpu=False)
+    assert [s.split(" (")[0] for s in said] == [
+        "--sweep transport", "--gpus 2", "--kernel-times", "--targets", "--bundle", "--no-plots"]
+    assert all(s.endswith(")") for s in said)  # each with its reason
+    # --out makes --bundle and --no-plots apply; plain defaults apply everywhere
+    assert options_not_applied(parse_args(["--bundle", "--no-plots", "--out", "x"]), False) == []
+    assert options_not_applied(parse_args([]), on_gpu=False) == []
+    assert options_not_applied(parse_args(["--quick", "--budget", "5"]), on_gpu=False) == []
 
 
 def test_quick_cpu_sweep_of_real_stages(tmp_path):
@@ -130,6 +208,7 @@ def test_quick_cpu_sweep_of_real_stages(tmp_path):
                     and r["shape"].get("scope") == "local"]
     assert local_triton and all(r["ok"] is True for r in local_triton), local_triton
     assert all("check_ids=False" in r["note"] for r in local_triton)  # the sync-free call
+    assert max(len(line) for line in out.splitlines()) <= 120
     for r in records:
         assert RECORD_KEYS <= set(r)
         assert r["gpu"] == "cpu (Triton interpreter)" and r["num_gpus"] == 1
@@ -139,10 +218,7 @@ def test_quick_cpu_sweep_of_real_stages(tmp_path):
         assert (r["ok"] is None) == bool(r["note"].startswith(("not available", "not checked"))), r
 
 
-def test_real_oracles_are_checked_once_written():
-    reference = pytest.importorskip("kernels.reference")
-    if not hasattr(reference, "route_topk"):
-        pytest.skip("kernels.reference.route_topk is not on this branch yet")
+def test_routing_oracle_rows_pass_their_own_check():
     ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
     records = run_stages([ROUTING], TINY, ctx, progress=False)
     torch_rows = [r for r in records if r["backend"] == "torch"]
@@ -164,6 +240,118 @@ def test_writers(tmp_path):
     table_lines = [line for line in markdown.splitlines() if line.startswith("| cumsum")]
     assert len(table_lines) == len(records)
     assert written[0].endswith(".json") and "cpu-triton-interpreter-1gpu-" in written[0]
+
+
+def _row(stage="quantize", backend="triton", ok=True, note="", time_us=12.5, **shape) -> dict:
+    """A record as bench/runner.py makes it (the fields the writers read)."""
+    timed = ok is True
+    return dict(stage=stage, backend=backend, gpu="NVIDIA H200", num_gpus=2,
+                distributed=stage in ("dispatch", "combine", "layer"),
+                shape=shape or dict(op="nvfp4_linear", tokens=8192, hidden=7168),
+                dtype="bf16", time_us=time_us if timed else None,
+                p20_us=time_us - 0.5 if timed else None, p80_us=time_us + 1 if timed else None,
+                std_us=0.25 if timed else None, bytes=150_470_656, local_bytes=150_470_656,
+                remote_bytes=0, hbm_bytes=150_470_656, gbps=12037.7 if timed else None,
+                pct_of_limit=87.5 if timed else None, ok=ok, note=note,
+                timing="cuda_graph" if timed else None)
+
+
+GPU_META = dict(gpu="NVIDIA H200", num_gpus=2, limits={"hbm_gbps": 4280.0, "nvlink_gbps": 360.0},
+                interpreter=False, date="2026-12-01T00:00:00", command="python -m bench",
+                driver="1", torch="2", triton="3", flashinfer="0.7.2")
+
+
+def test_terminal_table_fits_120_columns_and_summarises_what_cannot_run():
+    long_note = "timed: " + "a very long explanation of the timed call, " * 8
+    refused = ("not available: FlashInfer's fp4/mx quantize kernels are compiled only for SM100+ "
+               "(their body is guarded by __CUDA_ARCH__ >= 1000); this machine has SM90")
+    dispatch = dict(quant="bf16", tokens=2048, hidden=7168, experts=32, top_k=8,
+                    routing="uniform")
+    records = [_row(note=long_note), _row(backend="torch", note="oracle", time_us=5321.4),
+               _row(backend="torch_compile", ok=False,
+                    note="mismatch: AssertionError: " + "x" * 200)]
+    records += [_row(backend="flashinfer", ok=None, note=refused,
+                     op=op, tokens=t, hidden=7168) for op in ("nvfp4_linear", "mxfp8")
+                for t in (16, 8192)]
+    records += [_row("dispatch", backend=b, note="", time_us=84.0, **dispatch)
+                for b in ("triton", "flashinfer", "flashinfer_one_sided", "triton_overlap")]
+    records.append(_row("dispatch", backend="triton_fused", ok=None,
+                        note="not run: the fused row needs nvfp4", **dispatch))
+    records.append(_row("permute", backend="*", ok=None,
+                        note="skipped: --budget spent; run it alone with --stages permute "
+                             "--tokens 8192", op="gather_rows", tokens=8192))
+    judge_targets(records)
+    add_speedups(records)
+    for with_targets in (False, True):
+        text = report.format_table(records, GPU_META, with_targets=with_targets)
+        lines = text.splitlines()
+        assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+        assert "timed: a very long" in text and long_note not in text  # cut, not lost
+        assert "--budget spent" in text  # a row that can run is never summarised away
+        summary = [line for line in lines if line.startswith("n/a here")]
+        assert summary and "5 rows" in summary[0]
+        assert any("quantize flashinfer x 4: FlashInfer's fp4/mx quantize kernels are compiled "
+                   "only for SM100+" in line for line in lines)
+        assert any("dispatch triton_fused x 1: the fused row needs nvfp4" in line
+                   for line in lines)
+        assert not any(line.lstrip().startswith("flashinfer ") and "n/a" in line
+                       for line in lines)
+    assert any(line.startswith("  PASS") and "<= 40 us" in line for line in lines)
+    markdown = report.format_markdown(records, GPU_META, with_targets=True)
+    assert long_note in markdown and refused in markdown  # the files keep every row in full
+    assert sum(line.startswith("| ") for line in markdown.splitlines()) == len(records) + 1
+
+
+def test_csv_rows_under_flashinfer_column_names(tmp_path):
+    # FlashInfer's benchmark CSV names, written out here (benchmarks/routines/
+    # flashinfer_benchmark_utils.py); times in ms, bandwidth in TB/s.
+    flashinfer = ["routine", "median_time", "std_time", "tb_per_sec", "backend", "num_tokens",
+                  "hidden_size", "num_experts", "top_k", "ep_size", "input_dtype", "quant_dtype"]
+    dispatch = dict(quant="nvfp4", tokens=16, hidden=7168, experts=32, top_k=8,
+                    routing="uniform")
+    records = [_row(), _row("dispatch", backend="flashinfer_one_sided", ok=None,
+                            note="not run: bf16 only", **dispatch),
+               _row("prepare", scope="local", ep_size=8, tokens=16, experts=256, top_k=8,
+                    routing="skewed")]
+    path = report.write_csv(records, str(tmp_path / "sub" / "rows.csv"))
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames[:len(flashinfer)] == flashinfer
+    quantize, one_sided, prepare = rows
+    assert quantize["routine"] == "quantize_nvfp4_linear" and quantize["backend"] == "triton"
+    assert float(quantize["median_time"]) == pytest.approx(0.0125)  # 12.5 us
+    assert float(quantize["std_time"]) == pytest.approx(0.00025)
+    assert float(quantize["tb_per_sec"]) == pytest.approx(12.0377)
+    assert (quantize["num_tokens"], quantize["hidden_size"], quantize["num_experts"]) == \
+        ("8192", "7168", "")
+    assert quantize["input_dtype"] == "torch.bfloat16" and quantize["quant_dtype"] == "nvfp4"
+    assert one_sided["routine"] == "dispatch" and one_sided["median_time"] == ""
+    assert (one_sided["ep_size"], one_sided["quant_dtype"], one_sided["ok"]) == \
+        ("2", "nvfp4", "n/a")
+    assert one_sided["case_tag"] == "routing=uniform" and one_sided["note"] == "not run: bf16 only"
+    assert prepare["routine"] == "prepare_local" and prepare["ep_size"] == "8"
+
+
+def test_readme_from_refuses_interpreter_results(tmp_path):
+    readme = tmp_path / "README.md"
+    text = f"intro\n{report.README_START}\nold\n{report.README_END}\nend\n"
+    readme.write_text(text)
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"meta": dict(GPU_META, gpu="cpu (Triton interpreter)",
+                                            interpreter=True), "records": [_row()]}))
+    with pytest.raises(SystemExit, match="interpreter-mode result"):
+        report.update_readme(str(readme), [str(cpu)])
+    nothing = tmp_path / "nothing.json"
+    nothing.write_text(json.dumps({"meta": dict(GPU_META, num_gpus=1),
+                                   "records": [_row(tokens=5, hidden=64, op="mxfp8")]}))
+    with pytest.raises(SystemExit, match="no row for the headline"):
+        report.update_readme(str(readme), [str(nothing)])
+    assert readme.read_text() == text  # untouched
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"meta": GPU_META, "records": [_row()]}))
+    report.update_readme(str(readme), [str(gpu)])
+    assert "PASS: NVFP4 [8192,7168] <= 40 us" in readme.read_text()
 
 
 def test_bytes_formulas_by_hand():
@@ -216,6 +404,9 @@ def test_targets_pass_and_fail():
     judge_targets(routing)
     assert routing[0]["target_pass"] is True  # 8 <= 0.8 * 10
     assert "target" not in routing[1]
+    stale = dict(routing[1], target="an older target", target_pass=False)  # from a JSON
+    judge_targets([stale])
+    assert "target" not in stale and "target_pass" not in stale
 
 
 def test_transport_targets_pair_sum_and_best_flashinfer():
@@ -265,8 +456,8 @@ def test_target_shapes_are_in_the_default_and_deepseek_sweeps():
                 target.text
 
 
-def test_default_sweep_is_the_issue_grid_and_deepseek_fits_one_gpu_call():
-    # The issue's grid, written out again here (not read from the code under test).
+def test_default_sweep_is_the_full_grid_and_deepseek_fits_one_gpu_call():
+    # The full grid, written out again here (not read from the code under test).
     from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, SINGLE_DEVICE_STAGES
     from bench.transport import DISTRIBUTED_STAGES
     assert DEFAULT_SWEEP.tokens == (1, 16, 128, 512, 2048, 8192)
@@ -275,8 +466,8 @@ def test_default_sweep_is_the_issue_grid_and_deepseek_fits_one_gpu_call():
     assert set(DEFAULT_SWEEP.top_k) == {4, 8}
     assert set(DEFAULT_SWEEP.routing) == {"uniform", "skewed"}
     assert parse_args([]).sweep == "default"
-    # About 1 s per shape on an H200 (compiles and torch oracles included): ~150 shapes fit in
-    # the 400 s budget; the default grid is ~4x larger and stops at --budget.
+    # The deepseek sweep is sized to finish inside one GPU call's --budget; the default grid is
+    # several times larger and stops at --budget.
     count = lambda sweep, stages: sum(len(s.shapes(sweep)) for s in stages)  # noqa: E731
     assert count(DEEPSEEK_SWEEP, SINGLE_DEVICE_STAGES) <= 110
     assert count(DEEPSEEK_SWEEP, DISTRIBUTED_STAGES) <= 80
@@ -349,8 +540,8 @@ def test_cli_sweeps_tokens_and_budget():
 
 def test_worker_is_importable_for_spawn():
     # torch.multiprocessing.spawn pickles the worker by module and name: not __main__.
-    from bench.cli import _worker
-    assert _worker.__module__ == "bench.cli"
+    from bench.cli import gpu_worker
+    assert gpu_worker.__module__ == "bench.cli"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,42 +654,42 @@ def _other_set(row: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 def test_flashinfer_routing_check_allows_rare_near_ties_only():
-    from bench.stages import _routing_check, _routing_check_near_ties
+    from bench.stages import check_routing, check_routing_near_ties
     out, ref, inputs, shape = _deepseek_routing_case()
-    assert _routing_check_near_ties(out, ref, inputs, shape) == ""
+    assert check_routing_near_ties(out, ref, inputs, shape) == ""
     out[0][0] = _other_set(out[0][0], 16)  # the all-tie row picks another set
-    note = _routing_check_near_ties(out, ref, inputs, shape)
+    note = check_routing_near_ties(out, ref, inputs, shape)
     assert note.startswith("1 near-tie row")
     with pytest.raises(AssertionError, match="ids"):
-        _routing_check(out, ref, inputs, shape)  # the Triton path's check stays exact
+        check_routing(out, ref, inputs, shape)  # the Triton path's check stays exact
     # A row without a near-tie must not differ.
     out, ref, inputs, shape = _deepseek_routing_case()
     out[0][5] = _other_set(out[0][5], 16)
     with pytest.raises(AssertionError, match="without a near-tie"):
-        _routing_check_near_ties(out, ref, inputs, shape)
+        check_routing_near_ties(out, ref, inputs, shape)
     # Near-ties, but more than 0.1% of the rows (2 of 1000).
     out, ref, inputs, shape = _deepseek_routing_case()
     inputs["logits"][1] = 0.25
     out[0][0] = _other_set(out[0][0], 16)
     out[0][1] = _other_set(out[0][1], 16)
     with pytest.raises(AssertionError, match="more than"):
-        _routing_check_near_ties(out, ref, inputs, shape)
+        check_routing_near_ties(out, ref, inputs, shape)
     # Weights are still compared on the rows whose sets agree.
     out, ref, inputs, shape = _deepseek_routing_case()
     out[1][7, 0] += 0.01
     with pytest.raises(AssertionError, match="weights"):
-        _routing_check_near_ties(out, ref, inputs, shape)
+        check_routing_near_ties(out, ref, inputs, shape)
 
 
 def test_only_flashinfer_deepseek_routing_gets_the_tolerance():
-    from bench.stages import _routing_build, _routing_check_near_ties
+    from bench.stages import check_routing_near_ties, routing_inputs
     ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
     for method in ("deepseek_v3", "softmax_topk"):
         shape = dict(method=method, tokens=4, experts=16, top_k=4, routing="uniform")
-        inputs = _routing_build(shape, torch.device("cpu"))
+        inputs = routing_inputs(shape, torch.device("cpu"))
         paths = {p.backend: p for p in ROUTING.paths(inputs, shape, ctx)}
         assert paths["triton"].check is None
-        assert paths["flashinfer"].check is (_routing_check_near_ties
+        assert paths["flashinfer"].check is (check_routing_near_ties
                                              if method == "deepseek_v3" else None)
 
 
