@@ -14,7 +14,7 @@ construction through ``a2a.backends.resolve``:
               ``"flashinfer"``  FlashInfer's ``moe_comm`` over an MNNVL FIFO workspace;
               ``"torch"``       ``all_to_all_single`` with the plan's counts.
 and, for ``dispatch(quant=...)``, the ``quantize`` stage. Any prepare works with any transport:
-the plan is the contract (design.md, "prepare contract").
+the plan is the contract (docs/design.md, "prepare contract").
 
 Combine's reduction over k has one order (``kernels.reduce.sum_slots_in_order``: float32,
 slot order, rounded once to the payload dtype): the flashinfer and torch transports scatter the
@@ -26,7 +26,10 @@ Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, and freed
 :meth:`MoEAlltoall.close`. The Triton transport makes one per transfer kind and row size
 (dispatch of bf16 rows, of nvfp4 codes, of nvfp4 scales, combine of bf16 rows, ...), each with
 its own device-side call counter; its bounded waits record timeouts in a status buffer that
-:meth:`MoEAlltoall.check_transport` (and every ``prepare(check_inputs=True)``) reads.
+:meth:`MoEAlltoall.check_transport` (and every ``prepare(check_inputs=True)``) reads
+(``a2a.protocol``). How the Triton prepare and transport run (grid and spin bounds, the
+one-launch transfer, the quantizing send) is the object's :class:`~a2a.config.PrepareConfig`
+and :class:`~a2a.config.TransportConfig`, fixed at construction and agreed on by the ranks.
 """
 
 from __future__ import annotations
@@ -37,21 +40,18 @@ import torch
 import torch.distributed as dist
 
 from a2a.backends import BackendUnavailable, resolve
+from a2a.config import PrepareConfig, TransportConfig
+from a2a.workspace import check_row_bytes
 from kernels.types import AlltoallPlan
 from kernels.spec.prepare import PREPARE_MAX_TOP_K
 from kernels.spec.tensors import check_expert_ids, check_tensor, check_top_k
 
-# Stages a MoEAlltoall runs, and the keys its ``backends`` dict may hold.
-STAGES = ("prepare", "transport", "quantize")
+# Stages a MoEAlltoall runs, and the keys its ``backends`` dict may hold (a subset of
+# ``a2a.backends.STAGES``).
+ALLTOALL_STAGES = ("prepare", "transport", "quantize")
 # Payload dtypes that dispatch and combine take unquantized.
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 QUANT_FORMATS = ("nvfp4", "mxfp8")
-# dispatch(quant="nvfp4") on the Triton transport with the Triton quantizer and H % 64 == 0:
-# quantize inside the send kernel (``triton_transport.triton_dispatch_nvfp4``, one transfer)
-# instead of quantizing locally and moving codes and scales as two transfers. Off by default:
-# bit-exact in the CPU emulation and on one H200 (simulated ranks, the 1-rank soak), not yet
-# run across two GPUs nor timed there.
-FUSED_NVFP4_DISPATCH = False
 
 
 def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -96,6 +96,10 @@ class MoEAlltoall:
                              keys take the default of ``MOE_A2A_BACKENDS`` (``a2a.backends``).
         device:              where the inputs live; default the current GPU for an NCCL group,
                              else the CPU.
+        transport_config:    :class:`~a2a.config.TransportConfig` of the Triton transport
+                             (default: every default); ignored by the other transports.
+        prepare_config:      :class:`~a2a.config.PrepareConfig` of the Triton prepare (default:
+                             every default); ignored by the other prepares.
 
     Raises (on every rank, before anything is sent) when the ranks disagree on the
     configuration, when one rank rejects it (E % R, FlashInfer's limits: E % 4 == 0 and
@@ -106,7 +110,9 @@ class MoEAlltoall:
 
     def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, top_k: int,
                  max_tokens_per_rank: int, hidden_size: int, *, slot_count: Optional[int] = None,
-                 backends: Optional[dict] = None, device: Optional[torch.device] = None):
+                 backends: Optional[dict] = None, device: Optional[torch.device] = None,
+                 transport_config: Optional[TransportConfig] = None,
+                 prepare_config: Optional[PrepareConfig] = None):
         self.group = ep_group
         self.ep_rank = dist.get_rank(ep_group)
         self.ep_size = dist.get_world_size(ep_group)
@@ -116,6 +122,9 @@ class MoEAlltoall:
         self.hidden_size = hidden_size
         self.slot_count = num_experts if slot_count is None else slot_count
         self.device = torch.device(device) if device is not None else _default_device(ep_group)
+        self.transport_config = (TransportConfig() if transport_config is None
+                                 else transport_config)
+        self.prepare_config = PrepareConfig() if prepare_config is None else prepare_config
         requested = dict(backends or {})
         self.backends: dict[str, str] = {}
         error: Optional[Exception] = None
@@ -125,7 +134,8 @@ class MoEAlltoall:
         except (ValueError, TypeError, BackendUnavailable) as exc:
             error = exc
         config = (num_experts, top_k, max_tokens_per_rank, hidden_size, self.slot_count,
-                  tuple(sorted(self.backends.items())) or tuple(sorted(requested.items())))
+                  tuple(sorted(self.backends.items())) or tuple(sorted(requested.items())),
+                  repr(self.transport_config), repr(self.prepare_config))
         everyone = [None] * self.ep_size
         dist.all_gather_object(everyone, (config, None if error is None else repr(error)),
                                group=ep_group)
@@ -139,7 +149,8 @@ class MoEAlltoall:
             described = "; ".join(f"rank {rank}: {c}" for rank, (c, _) in enumerate(everyone))
             raise ValueError(
                 "MoEAlltoall: the ranks disagree on (num_experts, top_k, max_tokens_per_rank, "
-                f"hidden_size, slot_count, backends): {described}. Construct it with the same "
+                f"hidden_size, slot_count, backends, transport_config, prepare_config): "
+                f"{described}. Construct it with the same "
                 "arguments (and MOE_A2A_BACKENDS) on every rank")
         self._workspaces: dict = {}
         self._call_counters: dict = {}
@@ -151,11 +162,12 @@ class MoEAlltoall:
     # -----------------------------------------------------------------------------------------
 
     def _resolve_backends(self, requested: dict) -> dict[str, str]:
-        unknown = set(requested) - set(STAGES)
+        unknown = set(requested) - set(ALLTOALL_STAGES)
         if unknown:
             raise ValueError(f"backends has unknown stage(s) {sorted(unknown)}; the stages are "
-                             f"{STAGES}")
-        return {stage: resolve(stage, requested.get(stage), self.device) for stage in STAGES}
+                             f"{ALLTOALL_STAGES}")
+        return {stage: resolve(stage, requested.get(stage), self.device)
+                for stage in ALLTOALL_STAGES}
 
     def _check_config(self) -> None:
         for name, value in (("num_experts", self.num_experts),
@@ -222,7 +234,7 @@ class MoEAlltoall:
         return self._workspaces[key].tensor, self._call_counters[key]
 
     def check_transport(self) -> None:
-        """Raise ``a2a.triton_transport.TransportTimeout`` naming the source ranks when a wait
+        """Raise ``a2a.protocol.TransportTimeout`` naming the source ranks when a wait
         of the Triton transport timed out since construction (reads a status buffer: a host
         sync). Also done by every ``prepare(check_inputs=True)`` (raising on every rank there).
         A no-op for the other transports."""
@@ -233,9 +245,9 @@ class MoEAlltoall:
     def _transport_timeout(self) -> Optional[Exception]:
         if self._transport_status is None:
             return None
-        from a2a.triton_transport import TransportTimeout, raise_on_timeout
+        from a2a.protocol import TransportTimeout, raise_on_timeout
         try:
-            raise_on_timeout(self._transport_status, self.ep_rank)
+            raise_on_timeout(self._transport_status, self.ep_rank, "transport")
         except TransportTimeout as exc:
             return exc
         return None
@@ -322,7 +334,7 @@ class MoEAlltoall:
                               max_tokens_per_rank=self.max_tokens_per_rank,
                               slot_count=self.slot_count,
                               call_counter=self._call_counters["triton_prepare"],
-                              check=check_inputs, check_ids=False)
+                              config=self.prepare_config, check=check_inputs, check_ids=False)
 
     def _checked_routing(self, topk_ids, topk_weights, sanitize: bool,
                          check_ids: bool) -> torch.Tensor:
@@ -389,8 +401,8 @@ class MoEAlltoall:
         if self.backends["transport"] == "triton":
             moved = self._triton_dispatch(_as_bytes(rows), plan, name)
         elif self.backends["transport"] == "flashinfer":
-            from a2a.flashinfer_comm import check_row_bytes, flashinfer_dispatch_rows
-            check_row_bytes(name, rows)
+            from a2a.flashinfer_comm import flashinfer_dispatch_rows
+            check_row_bytes(name, rows.shape[1] * rows.element_size())
             moved = flashinfer_dispatch_rows(_as_bytes(rows), plan, self._workspace("comm"))
         else:
             from a2a.torch_comm import torch_dispatch_rows
@@ -401,11 +413,11 @@ class MoEAlltoall:
                          name: str) -> torch.Tensor:
         """One Triton-transport dispatch of byte rows (no host sync)."""
         from a2a import triton_transport
-        triton_transport.check_row_bytes(name, rows.shape[1])
+        check_row_bytes(name, rows.shape[1])
         workspace, counter = self._transport_workspace("dispatch", rows.shape[1])
         return triton_transport.triton_dispatch_rows(
             rows, plan, workspace, call_counter=counter, status=self._transport_status,
-            check=False)
+            check=False, config=self.transport_config)
 
     def dispatch(self, x: torch.Tensor, plan: AlltoallPlan, *, quant: Optional[str] = None,
                  global_scale: Optional[torch.Tensor] = None):
@@ -415,7 +427,8 @@ class MoEAlltoall:
         plan:         this rank's plan from :meth:`prepare`.
         quant:        None: move x as is. ``"nvfp4"``: quantize locally (quantize stage,
                       linear scale layout), move packed rows and scale rows as two tensors
-                      (or, with ``FUSED_NVFP4_DISPATCH``, quantize in the Triton send kernel).
+                      (or, with ``TransportConfig.fused_nvfp4_dispatch``, quantize in the
+                      Triton send kernel: one transfer).
                       ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales (blocks of 32).
         global_scale: [1] float32, the NVFP4 global encode scale (448*6 / amax); nvfp4 only.
         Returns, rows by source rank then the source's send order, rows past total_recv 0:
@@ -437,14 +450,15 @@ class MoEAlltoall:
         if quant == "nvfp4":
             if global_scale is None:
                 raise ValueError("quant='nvfp4' needs global_scale ([1] float32, 448*6 / amax)")
-            if (FUSED_NVFP4_DISPATCH and self.backends["transport"] == "triton"
+            if (self.transport_config.fused_nvfp4_dispatch
+                    and self.backends["transport"] == "triton"
                     and self.backends["quantize"] == "triton" and x.shape[1] % 64 == 0):
                 from a2a import triton_transport
                 workspace, counter = self._transport_workspace(
                     "dispatch", triton_transport.nvfp4_row_bytes(x.shape[1]))
                 return triton_transport.triton_dispatch_nvfp4(
                     x, global_scale, plan, workspace, call_counter=counter,
-                    status=self._transport_status, check=False)
+                    status=self._transport_status, check=False, config=self.transport_config)
             from a2a.quantize import quantize_nvfp4
             packed, scales = quantize_nvfp4(x, global_scale, layout="linear",
                                             backend=self.backends["quantize"])
@@ -481,14 +495,14 @@ class MoEAlltoall:
         if self.backends["transport"] == "triton":  # the reduction is fused: same adds
             from a2a import triton_transport
             rows = _as_bytes(expert_out)
-            triton_transport.check_row_bytes("expert_out", rows.shape[1])
+            check_row_bytes("expert_out", rows.shape[1])
             workspace, counter = self._transport_workspace("combine", rows.shape[1])
             return triton_transport.triton_combine(
                 rows, plan, workspace, dtype=expert_out.dtype, call_counter=counter,
-                status=self._transport_status, check=False)
+                status=self._transport_status, check=False, config=self.transport_config)
         if self.backends["transport"] == "flashinfer":
-            from a2a.flashinfer_comm import check_row_bytes, flashinfer_combine_rows
-            check_row_bytes("expert_out", expert_out)
+            from a2a.flashinfer_comm import flashinfer_combine_rows
+            check_row_bytes("expert_out", expert_out.shape[1] * expert_out.element_size())
             scattered = flashinfer_combine_rows(_as_bytes(expert_out), plan,
                                                 self._workspace("comm"))
         else:

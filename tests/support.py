@@ -1,4 +1,5 @@
-"""Helpers for the tests: the float tolerance table and the multi-rank runner."""
+"""Helpers for the tests: the float tolerance table, the multi-rank runner and the patch of
+Triton's interpreter that the CPU emulations of the Triton prepare and transport need."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ def run_distributed(world_size: int, body: Callable, *args, cuda: bool = False) 
         pytest.skip(f"needs {world_size} CUDA GPUs, {torch.cuda.device_count()} visible")
     mp.spawn(_rank_main, args=(world_size, free_port(), cuda, body, args), nprocs=world_size,
              join=True)
+
+
+def interpreter_with_runtime_loops(monkeypatch) -> None:
+    """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)``, which numpy 2
+    refuses for the 1-element arrays it holds; patch that one conversion of Triton's own
+    interpreter for the calling test only (``monkeypatch`` undoes it)."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+    patch_lang = interpreter._patch_lang
+
+    def patched(fn):
+        scope = patch_lang(fn)  # restoring the scope also undoes the line below
+        tl.core.tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+        return scope
+    monkeypatch.setattr(interpreter, "_patch_lang", patched)
