@@ -18,6 +18,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # kernels.quantize imports triton: loaded only when a config is made
     from kernels.quantize import NVFP4Launch
 
+# Default bound, in seconds, on a MoEAlltoall's wait for the other ranks at each collective
+# call (``a2a.agreement``): long enough for a rank that is still compiling kernels or building
+# FlashInfer's modules in its first call, far below the process group's 30 minutes.
+DEFAULT_TIMEOUT_S = 300.0
+
 # Default bound on each device-side wait, in spins (one system-scope atomic each, well over
 # 0.1 us): tens of seconds, long enough for a peer that is still compiling its first call.
 DEFAULT_TIMEOUT_SPINS = 1 << 26

@@ -107,8 +107,9 @@ def flashinfer_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        max_tokens_per_rank: int, slot_count: int) -> AlltoallPlan:
     """FlashInfer's ``moe_prepare`` on our workspace, converted to an :class:`AlltoallPlan`.
 
-    topk_ids:     [T, k] int32 contiguous, slot ids in ``[0, S]`` (validated by the caller:
-                  FlashInfer sends a negative id to rank 0).
+    topk_ids:     [T, k] int32 contiguous, slot ids in ``[0, S]`` (checked by the caller, or
+                  mapped to S when unchecked, as ``MoEAlltoall.prepare`` does: FlashInfer
+                  sends a negative id to rank 0).
     topk_weights: [T, k] float32 contiguous.
     workspace:    [R, words] uint64, FlashInfer's prepare workspace (zeroed once; its kernels
                   leave it zeroed again), ``workspace_bytes.flashinfer_prepare_workspace_bytes``.

@@ -193,7 +193,7 @@ def _through_flashinfer_api(a2a, plan, x, recv, out, to_flashinfer_info) -> None
     from flashinfer.comm.trtllm_alltoall import MnnvlMoe
 
     info = to_flashinfer_info(plan)
-    workspace = a2a._workspace("comm")
+    workspace = a2a.flashinfer_comm_workspace()
     total = int(plan.total_recv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
