@@ -16,6 +16,7 @@ import torch.distributed as dist
 from a2a.agreement import BrokenAlltoall, PeerRejected, PeerTimeout
 from a2a.alltoall import MoEAlltoall, sum_over_slots
 from a2a.backends import BackendUnavailable, flashinfer_installed
+from a2a.config import PrepareConfig, TransportConfig
 from kernels import reference
 from kernels.types import UNUSED
 from tests.support import assert_close, run_distributed, watchdog
@@ -151,6 +152,14 @@ def _bad_input_body(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="disagree"):
         MoEAlltoall(None, num_experts, top_k, max_tokens, hidden + 8 * rank,
                     backends=TORCH_BACKENDS)
+    # The Triton transport's and prepare's configs are part of the configuration (two objects
+    # may differ; the ranks of one may not), and so are timeout and agree.
+    for differs in (dict(transport_config=TransportConfig(overlap=rank == 1)),
+                    dict(prepare_config=PrepareConfig(max_programs=64 + rank)),
+                    dict(timeout=60.0 + rank), dict(agree=rank == 0)):
+        with pytest.raises(ValueError, match="disagree"):
+            MoEAlltoall(None, num_experts, top_k, max_tokens, hidden, backends=TORCH_BACKENDS,
+                        **differs)
     # One rank rejecting the configuration raises everywhere.
     with pytest.raises(ValueError, match="multiple of the group size|rejected"):
         MoEAlltoall(None, num_experts + rank, top_k, max_tokens, hidden, backends=TORCH_BACKENDS)
@@ -299,8 +308,6 @@ def _quantized_body(rank: int, world_size: int) -> None:
 
 
 def test_quantized_dispatch_moves_codes_and_scales_bit_exactly():
-    pytest.importorskip("a2a.quantize", reason="a2a.quantize (the quantize stage) has not "
-                        "landed on this branch yet")
     run_distributed(2, _quantized_body)
 
 

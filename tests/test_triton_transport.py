@@ -287,6 +287,22 @@ def test_bad_inputs_raise():
     assert int(counter) == 0
 
 
+def test_configs_are_frozen_and_checked():
+    from a2a.config import PrepareConfig
+    config = TransportConfig()
+    assert not config.overlap and not config.fused_nvfp4_dispatch
+    assert config.max_programs == 256
+    assert config.nvfp4_launch.tile_elements == 8192 and config.nvfp4_launch.ptx is None
+    assert PrepareConfig().max_programs == 128
+    with pytest.raises(AttributeError):
+        config.overlap = True  # frozen: a knob is chosen at construction
+    for bad in (dict(max_programs=0), dict(timeout_spins=-1), dict(max_programs=2.5)):
+        with pytest.raises(ValueError, match="must be an int"):
+            TransportConfig(**bad)
+        with pytest.raises(ValueError, match="must be an int"):
+            PrepareConfig(**bad)
+
+
 def test_workspace_size():
     # flags [R, MAX_CHUNKS] int64 and the arrivals word padded to 128 bytes, then [R][2][N][B]
     # rows, rounded to 128.
