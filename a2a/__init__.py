@@ -7,7 +7,9 @@ FlashInfer is imported lazily, only inside its adapters: ``import a2a`` never im
 from a2a.backends import (BACKENDS, STAGES, BackendUnavailable, available_backends,
                           default_backends, resolve, why_unavailable)
 from a2a.alltoall import MoEAlltoall
+from a2a.config import PrepareConfig, TransportConfig
 from kernels.types import AlltoallPlan
 
 __all__ = ["AlltoallPlan", "MoEAlltoall", "BACKENDS", "STAGES", "BackendUnavailable",
-           "available_backends", "default_backends", "resolve", "why_unavailable"]
+           "PrepareConfig", "TransportConfig", "available_backends", "default_backends",
+           "resolve", "why_unavailable"]

@@ -24,10 +24,9 @@ from typing import Optional
 
 import torch
 
+from a2a.workspace import check_row_bytes
 from kernels.types import UNUSED, AlltoallPlan
 
-# FlashInfer's moe_comm moves rows as 16-byte vectors (two uint64 per step).
-ROW_ALIGN_BYTES = 16
 # FlashInfer's moe_prepare: expert and slot counts divisible by 4 (it copies the expert
 # statistics as int4), 1 <= top_k <= 32 (its warp-tile ballot is at most 32 wide).
 EXPERT_COUNT_MULTIPLE = 4
@@ -43,16 +42,6 @@ def check_flashinfer_prepare_limits(num_experts: int, slot_count: int, top_k: in
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k={top_k} must be in [1, {MAX_TOP_K}] for FlashInfer's "
                          f"moe_prepare; use the 'triton' or 'torch' prepare")
-
-
-def check_row_bytes(name: str, rows: torch.Tensor) -> None:
-    """Raise ValueError when the rows of the 2-D ``rows`` are not a multiple of 16 bytes."""
-    row_bytes = rows.shape[1] * rows.element_size()
-    if row_bytes % ROW_ALIGN_BYTES:
-        raise ValueError(
-            f"{name} rows are {row_bytes} bytes ({rows.shape[1]} x {rows.dtype}); FlashInfer's "
-            f"moe_comm needs a multiple of {ROW_ALIGN_BYTES} bytes: pad the hidden size or use "
-            f"the 'torch' transport")
 
 
 def to_flashinfer_info(plan: AlltoallPlan):
@@ -118,8 +107,9 @@ def flashinfer_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        max_tokens_per_rank: int, slot_count: int) -> AlltoallPlan:
     """FlashInfer's ``moe_prepare`` on our workspace, converted to an :class:`AlltoallPlan`.
 
-    topk_ids:     [T, k] int32 contiguous, slot ids in ``[0, S]`` (validated by the caller:
-                  FlashInfer sends a negative id to rank 0).
+    topk_ids:     [T, k] int32 contiguous, slot ids in ``[0, S]`` (checked by the caller, or
+                  mapped to S when unchecked, as ``MoEAlltoall.prepare`` does: FlashInfer
+                  sends a negative id to rank 0).
     topk_weights: [T, k] float32 contiguous.
     workspace:    [R, words] uint64, FlashInfer's prepare workspace (zeroed once; its kernels
                   leave it zeroed again), ``workspace_bytes.flashinfer_prepare_workspace_bytes``.
@@ -154,7 +144,7 @@ def flashinfer_dispatch_rows(rows: torch.Tensor, plan: AlltoallPlan,
     """
     from flashinfer.comm.trtllm_alltoall import moe_comm
 
-    check_row_bytes("dispatch", rows)
+    check_row_bytes("dispatch", rows.shape[1] * rows.element_size())
     out = torch.zeros((plan.max_tokens_per_rank * plan.ep_size, rows.shape[1]),
                       dtype=rows.dtype, device=rows.device)
     moe_comm(rows, plan.send_rank_count_cumsum, plan.send_rank_local_indices, out,
@@ -173,7 +163,7 @@ def flashinfer_combine_rows(rows: torch.Tensor, plan: AlltoallPlan,
     """
     from flashinfer.comm.trtllm_alltoall import moe_comm
 
-    check_row_bytes("combine", rows)
+    check_row_bytes("combine", rows.shape[1] * rows.element_size())
     scattered = torch.zeros((plan.num_tokens * plan.top_k, rows.shape[1]), dtype=rows.dtype,
                             device=rows.device)
     moe_comm(rows, plan.recv_rank_count_cumsum, plan.recv_rank_local_indices, scattered,

@@ -39,7 +39,9 @@ def torch_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                   slot_count: int) -> AlltoallPlan:
     """Every rank's :class:`AlltoallPlan` through torch.distributed (collective over ``group``).
 
-    topk_ids:     [T, k] int32, slot ids in ``[0, S]`` (S = padding), already validated.
+    topk_ids:     [T, k] int32, slot ids in ``[0, S]`` (S = padding): checked by the caller,
+                  or mapped to S when unchecked (``MoEAlltoall.prepare``; a negative id would
+                  index rows from the end here).
     topk_weights: [T, k] float32, the routing weights.
     group:        the EP process group (None = the default group); R = its size.
     num_experts:  E; max_tokens_per_rank: N >= T on every rank; slot_count: S.

@@ -2,11 +2,14 @@
 destination needs into its row of a peer-mapped workspace, signals it, waits for the other ranks
 and builds the receive side of the :class:`~kernels.types.AlltoallPlan`.
 
+The flags, the device-side call counter, the two parities, the bounded waits and the status
+buffer are the device protocol of :mod:`a2a.protocol`; this module adds its data layout and
+the exchange kernel.
+
 The workspace
 -------------
-``workspace [R, words]`` int64/uint64: row q is rank q's inbox, every row addressable from every
-rank (FlashInfer's ``MnnvlMemory(...).as_torch_strided_tensor(torch.uint64)``; for R simulated
-ranks on one GPU a plain zeroed tensor). Rank q's row, in 64-bit words then 32-bit words::
+``workspace [R, words]`` int64/uint64: row q is rank q's inbox (``a2a.protocol``). Rank q's
+row, in 64-bit words then 32-bit words::
 
     flags   [R, MAX_CHUNKS] int64   flag[s, c]: last call whose chunk c source s has delivered,
                                     as c + 1 (0 = never)
@@ -17,57 +20,44 @@ ranks on one GPU a plain zeroed tensor). Rank q's row, in 64-bit words then 32-b
         ids     [N, k] int32        s's k ids of each row it sends to q, in send order
         weights [N, k] fp32 bits    the same rows' k weights
 
-Protocol of one call c. The call number lives on the device: ``call_counter`` ([1] int64,
-zeroed with the workspace) is read by every program of the exchange kernel, and the last of
-them to arrive sets it to c + 1 (:func:`advance_call`), so that no call index comes from the
-host and a CUDA graph that captures the prepare stays right at every replay. Every rank makes
-the same sequence of calls on a workspace. The grid is (R, C): program
-(q, chunk) first SENDS chunk ``chunk`` of this rank's segment for destination q, then RECEIVES
-chunk ``chunk`` of what source q sent here.
+One call c: the grid is (R, C); program (q, chunk) first SENDS chunk ``chunk`` of this rank's
+segment for destination q (plain stores of count, rows and, for chunk 0, hist into q's region
+(p, me), then :func:`~a2a.protocol.publish_flag`), then RECEIVES chunk ``chunk`` of what
+source q sent here: it waits until flag[s, chunk] of our row is >= c + 1 for every source s
+(the counts of all sources give the row offsets; source q's flag also covers the rows it
+copies) and writes the plan. Every program counts itself in before the counter moves on
+(:func:`~a2a.protocol.advance_call`).
 
-- send: plain stores of count, rows (and hist for chunk 0) into q's region (p, me); a CTA
-  barrier (so every thread's stores precede the flag), then one ``atomic_xchg(flag[me, chunk]
-  of row q, c + 1, sem="release", scope="sys")``: a receiver that acquires it sees them all.
-- receive: spin with ``atomic_add(flag, 0, sem="acquire", scope="sys")`` until flag[s, chunk] of
-  our row is >= c + 1 for every source s (counts of all sources give the row offsets; source q's
-  flag also covers the rows we copy), a CTA barrier, then read (L2, ``.cg``) and write the plan.
+Why a source gets at most one call ahead (flag c + 2): it may finish call c + 1, which needs
+our call-c+1 flag, published before we wait. Why two parities suffice: source s writes
+region (p, s) again only in call c + 2; to start it, it must have finished call c + 1, which
+waited for our call-c+1 flag, published only by our call-c+1 kernel, which starts after our
+call-c kernel (same stream) finished reading region (p, s).
 
-Why ``>= c + 1`` and not ``==``: a fast source may finish call c+1 (it needs our call c+1 flag,
-which we publish before we wait) and publish c + 2 before we look; its value still proves
-the call-c+1 data was written before (release is cumulative over its earlier stores).
-
-Why two parities suffice: source s writes region (p, s) again only in call c + 2. To start
-call c + 2 it must have finished call c + 1, which waited for our call-c+1 flag; we publish that
-flag only in our call-c+1 kernel, which starts after our call-c kernel (same stream) finished
-reading region (p, s). So call c + 2's writes cannot overtake our call-c reads.
-
-Timeout: each wait spins at most ``timeout_spins`` times (one sys-scope atomic each, well over
-0.1 us, so the default is tens of seconds). On timeout the program takes the missing sources'
-counts as 0 (no out-of-range writes) and records ``status[s] = max(status[s], c + 1)``; the
-launcher raises naming the ranks when ``check=True``. After a timeout the workspace is stale:
-zero it and its call counter on every rank.
+Timeout: on a timed-out wait a program takes the missing sources' counts as 0 and records
+them in the status buffer; the launcher raises :class:`~a2a.protocol.PrepareTimeout` naming the
+ranks when ``check=True``.
 
 Compilation, warm-up and host syncs: the first call of each configuration (N, R, k, S,
-max_programs, with_expert_counts) compiles the kernels, and loading a CUDA module waits until
-the device is idle. On one GPU per rank that only delays the call; with R simulated ranks on
-one GPU it deadlocks when it happens while another rank's exchange kernel spins (until the
-timeout). Nothing compiled depends on T or on the rank (T, the ranks and the row stride are
-not specialised; every constexpr comes from the configuration), so only the first call of a
-configuration compiles: call :func:`warmup` once per configuration (it runs every variant
-alone, on a private workspace, and synchronizes) before ranks that share a GPU call
-concurrently. With ``check=False`` and ``check_ids=False`` the call has no host sync at all
-(the fast path, CUDA-graph capturable): only caching-allocator allocations and three launches.
+max_programs, with_expert_counts) compiles the kernels. Nothing compiled depends on T or on
+the rank (T, the ranks and the row stride are not specialised; every constexpr comes from the
+configuration), so R simulated ranks on one GPU call :func:`warmup_prepare` once per
+configuration before they call concurrently (``a2a.protocol``, "Co-residency"). With
+``check=False`` and ``check_ids=False`` the call has no host sync at all (the fast path,
+CUDA-graph capturable): only caching-allocator allocations and three launches.
 ``check_ids=True`` reads the local plan's device-side id check before the exchange (one sync;
 a bad id raises before anything is sent), ``check=True`` reads the status after it (one sync).
 
-Co-residency: receivers spin, so every program of the exchange kernel must be resident at once
-(on one GPU per rank: R * C <= max_programs, 128 by default, fits H200's 132 SMs; with R
-simulated ranks on one GPU, all R * R * C programs must fit, which the tests ensure with a small
+Co-residency: receivers spin while the send programs of the same launch on other ranks run, so
+every program of the exchange kernel must be resident at once (on one GPU per rank:
+R * C <= ``PrepareConfig.max_programs``, 128 by default, fits H200's 132 SMs; with R simulated
+ranks on one GPU, all R * R * C programs must fit, which the tests ensure with a small
 ``max_programs``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
@@ -75,60 +65,31 @@ import torch
 import triton
 import triton.language as tl
 
+from a2a.config import PrepareConfig
+from a2a.protocol import (MAX_CHUNKS, PrepareTimeout, advance_call, arrivals_address,
+                          check_call_counter, check_status, check_workspace, flag_address,
+                          new_status, publish_flag, raise_on_timeout, record_timeouts,
+                          wait_for_flags)
 from kernels.prepare import carve, launch_local_plan, raise_on_bad_ids
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan
 
+__all__ = ["PrepareTimeout", "exchange_chunks", "prepare_workspace_words", "triton_prepare",
+           "warmup_prepare"]
+
 # The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
 UNUSED_ID = tl.constexpr(UNUSED)
 
-# Chunks per (source, destination) pair: a fixed upper bound so that the workspace layout does
-# not depend on the launch (flags are [R, MAX_CHUNKS] per row).
-MAX_CHUNKS = 64
 # At least this many send-order rows per chunk: fewer makes the flag traffic dominate.
 MIN_CHUNK_ROWS = 64
-# Default bound on the exchange grid R * C: every program must be resident at once (they spin),
-# and an H200 has 132 SMs.
-EXCHANGE_PROGRAMS = 128
 # Rows copied per step (a [BLOCK_ROWS, k] tile of ids and of weights).
 BLOCK_ROWS = 64
 # Header of a region: the count, padded to 16 bytes.
 HEADER_INTS = 4
 # The arrivals word after the flags, padded to 16 bytes (2 int64 words).
 ARRIVAL_WORDS = 2
-# Default spin bound of each wait (see the module docstring).
-TIMEOUT_SPINS = 1 << 26
 NUM_WARPS = 4
-
-
-@triton.jit
-def wait_for_flags(flag_ptrs, mask, expected, timeout_spins):
-    """Spin until every masked flag is >= expected (acquire, system scope) or the spin bound is
-    reached. Returns [n] int1: flag arrived (True for masked-off lanes). Used by the exchange
-    kernel here and by the fused combine of a2a/triton_transport.py."""
-    arrived = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-    ok = (arrived >= expected) | (mask == 0)
-    done = tl.min(ok.to(tl.int32), axis=0)
-    spins = 0
-    while (done == 0) & (spins < timeout_spins):
-        arrived = tl.atomic_add(flag_ptrs, 0, mask=mask, sem="acquire", scope="sys")
-        ok = (arrived >= expected) | (mask == 0)
-        done = tl.min(ok.to(tl.int32), axis=0)
-        spins += 1
-    return ok
-
-
-@triton.jit
-def advance_call(counter_ptr, arrivals, call):
-    """Called by every program of a kernel once it has read ``call`` from ``counter_ptr``: the
-    last to arrive (every program has then read it) sets the counter to call + 1 and rearms
-    the arrival count ``arrivals`` (an int64 that is 0 between calls). Used by the exchange
-    kernel here and by the receive kernels of a2a/triton_transport.py."""
-    arrived = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(counter_ptr, call + 1, sem="relaxed", scope="gpu")
 
 
 # Values that change from call to call or from rank to rank (or are often 1, which Triton would
@@ -154,10 +115,9 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
     cols = tl.arange(0, K_PAD)
     col_ok = cols < TOP_K
     call = tl.load(counter_ptr)
-    flag_value = call + 1
     parity = call % 2
-    my_row64 = ws64 + ep_rank.to(tl.int64) * ws_row_stride
-    advance_call(counter_ptr, my_row64 + ep_size * MAX_CHUNKS, call)
+    advance_call(counter_ptr, arrivals_address(ws64, ws_row_stride, ep_rank, ep_size,
+                                               MAX_CHUNKS), call)
 
     # ---- send: chunk `chunk` of this rank's rows for destination `peer` -------------------
     seg_end = tl.load(send_cumsum_ptr + peer)
@@ -185,20 +145,17 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
         tl.store(region + ids_off + target, ids, mask=tile_ok)
         tl.store(region + weights_off + target, weights.to(tl.int32, bitcast=True),
                  mask=tile_ok)
-    # Every thread's stores above happen before the flag: barrier, then one release store.
-    tl.debug_barrier()
-    flag = ws64 + peer.to(tl.int64) * ws_row_stride + ep_rank * MAX_CHUNKS + chunk
-    tl.atomic_xchg(flag, flag_value.to(tl.int64), sem="release", scope="sys")
+    # Every thread's stores above happen before the flag.
+    publish_flag(flag_address(ws64, ws_row_stride, peer, ep_rank, chunk, MAX_CHUNKS), call)
 
     # ---- receive: chunk `chunk` of what source `peer` sent here ----------------------------
     my_row32 = ws32 + ep_rank.to(tl.int64) * row_stride32
     sources = tl.arange(0, R_PAD)
     source_ok = sources < ep_size
-    arrived = wait_for_flags(my_row64 + sources * MAX_CHUNKS + chunk, source_ok,
-                             flag_value.to(tl.int64), timeout_spins)
+    arrived = wait_for_flags(flag_address(ws64, ws_row_stride, ep_rank, sources, chunk,
+                                          MAX_CHUNKS), source_ok, call + 1, timeout_spins)
     tl.debug_barrier()  # the acquiring thread's view before any thread reads the data
-    missing = source_ok & (arrived == 0)
-    tl.atomic_max(status_ptr + sources, flag_value.to(tl.int64), mask=missing)
+    record_timeouts(status_ptr, sources, call, source_ok & (arrived == 0))
     regions = my_row32 + flags_ints + (parity * ep_size + sources).to(tl.int64) * region_ints
     counts = tl.load(regions, mask=source_ok & (arrived != 0), other=0, cache_modifier=".cg")
     counts = tl.minimum(tl.maximum(counts, 0), max_tokens)  # never trust a count blindly
@@ -276,10 +233,9 @@ def prepare_workspace_words(ep_size: int, max_tokens_per_rank: int, top_k: int,
     return ep_size * MAX_CHUNKS + ARRIVAL_WORDS + ep_size * region
 
 
-def exchange_chunks(ep_size: int, max_tokens_per_rank: int,
-                    max_programs: int = EXCHANGE_PROGRAMS) -> int:
+def exchange_chunks(ep_size: int, max_tokens_per_rank: int, max_programs: int) -> int:
     """C, the chunks per (source, destination): the exchange grid is (R, C). Every rank must
-    get the same C, i.e. pass the same ``max_programs``."""
+    get the same C, i.e. use the same ``PrepareConfig.max_programs``."""
     by_rows = triton.cdiv(max(max_tokens_per_rank, 1), MIN_CHUNK_ROWS)
     return max(1, min(MAX_CHUNKS, max_programs // ep_size, by_rows))
 
@@ -323,9 +279,8 @@ def exchange_config(ep_size: int, max_tokens: int, top_k: int, slots: int,
 def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace: torch.Tensor,
                    *, ep_rank: int, ep_size: int, num_experts: int, max_tokens_per_rank: int,
                    slot_count: Optional[int] = None, call_counter: torch.Tensor,
-                   with_expert_counts: bool = True, timeout_spins: int = TIMEOUT_SPINS,
-                   max_programs: int = EXCHANGE_PROGRAMS, check: bool = True,
-                   check_ids: bool = True,
+                   with_expert_counts: bool = True, config: PrepareConfig = PrepareConfig(),
+                   check: bool = True, check_ids: bool = True,
                    status: Optional[torch.Tensor] = None) -> AlltoallPlan:
     """One rank's full prepare over a peer-mapped workspace: three launches (the local plan's
     two and the exchange), no host sync when ``check=False`` and ``check_ids=False`` (the fast
@@ -338,14 +293,15 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
     ep_rank, ep_size:    this rank r and R.
     num_experts, max_tokens_per_rank, slot_count: E, N (>= T on every rank), S (default E).
     call_counter:        [1] int64 on the device, zeroed with the workspace: the number of
-                         this call, read and advanced by the kernel (module docstring); every
+                         this call, read and advanced by the kernel (``a2a.protocol``); every
                          rank makes the same sequence of calls.
     with_expert_counts:  exchange every rank's expert_counts (the plan's [R, S]); else None.
-    timeout_spins:       bound of each wait (see the module docstring).
-    max_programs:        bound of the exchange grid R * C; the same on every rank.
+    config:              :class:`~a2a.config.PrepareConfig`: the bound of the exchange grid
+                         R * C and of each wait; the same on every rank.
     check:               after the launch, read the status (a host sync) and raise
-                         :class:`PrepareTimeout` naming the source ranks that did not arrive.
-                         False (fast path, CUDA graphs): pass your own ``status`` to check later.
+                         :class:`~a2a.protocol.PrepareTimeout` naming the source ranks that did
+                         not arrive. False (fast path, CUDA graphs): pass your own ``status``
+                         to check later.
     check_ids:           read the local plan's device-side id range check before the exchange
                          (a host sync) and raise ValueError on an id outside ``[0, S]`` before
                          anything is sent. False: such ids are sent nowhere (as padding).
@@ -353,7 +309,7 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
                          source s timed out in call c. Default: a fresh zeroed tensor when
                          ``check``, else uninitialised words of the output buffer, never read.
     Returns this rank's :class:`AlltoallPlan`, equal to ``simulate_alltoall(...)[ep_rank]``.
-    The first call of a configuration compiles: see :func:`warmup`.
+    The first call of a configuration compiles: see :func:`warmup_prepare`.
     """
     num_tokens, top_k, max_tokens, slots = check_prepare_inputs(
         topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
@@ -364,26 +320,14 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids "
                          f"{tuple(topk_ids.shape)}")
-    check_tensor("workspace", workspace, dtype=(torch.int64, torch.uint64), ndim=2,
-                 device=device)
-    cfg = exchange_config(ep_size, max_tokens, top_k, slots, max_programs)
-    if workspace.shape[0] != ep_size or workspace.shape[1] < cfg.words \
-            or workspace.stride(1) != 1:
-        raise ValueError(f"workspace must be [ep_size={ep_size}, >= {cfg.words}] with unit "
-                         f"column stride (prepare_workspace_words); got shape "
-                         f"{tuple(workspace.shape)} strides {workspace.stride()}")
+    cfg = exchange_config(ep_size, max_tokens, top_k, slots, config.max_programs)
+    check_workspace(workspace, ep_size, cfg.words, device, "prepare_workspace_words")
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank={ep_rank} must be in [0, ep_size={ep_size})")
-    check_tensor("call_counter", call_counter, dtype=torch.int64, ndim=1, device=device)
-    if call_counter.numel() != 1:
-        raise ValueError(f"call_counter must have 1 entry, got {call_counter.numel()}")
-    if status is None:
-        status = torch.zeros(ep_size, dtype=torch.int64, device=device) if check else None
-    else:
-        check_tensor("status", status, dtype=torch.int64, ndim=1, device=device)
-        if status.numel() != ep_size:
-            raise ValueError(f"status must have ep_size={ep_size} entries, got "
-                             f"{status.numel()}")
+    check_call_counter(call_counter, device)
+    check_status(status, ep_size, device)
+    if status is None and check:
+        status = new_status(ep_size, device)
 
     plan, scratch = launch_local_plan(topk_ids, ep_size, max_tokens, slots)
     if check_ids:  # before the exchange: a bad id raises before anything is sent
@@ -402,13 +346,13 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
         plan.send_rank_local_indices, plan.expert_counts, recv_cumsum, recv_local, recv_ids,
         recv_weights, expert_counts if with_expert_counts else recv_cumsum, status,
         call_counter, ep_rank, ep_size, slots, slots // ep_size, max_tokens, rows,
-        cfg.chunk_rows, cfg.tail_rows, timeout_spins,
+        cfg.chunk_rows, cfg.tail_rows, config.timeout_spins,
         2 * (ep_size * MAX_CHUNKS + ARRIVAL_WORDS), cfg.region, cfg.hist_off, cfg.ids_off,
         cfg.weights_off,
         TOP_K=top_k, K_PAD=cfg.k_pad, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad, MAX_CHUNKS=MAX_CHUNKS,
         BLOCK_ROWS=BLOCK_ROWS, WITH_COUNTS=with_expert_counts, num_warps=NUM_WARPS)
     if check:
-        raise_on_timeout(status, ep_rank)
+        raise_on_timeout(status, ep_rank, "prepare")
     return AlltoallPlan(
         send_rank_count_cumsum=plan.send_rank_count_cumsum,
         send_rank_local_indices=plan.send_rank_local_indices,
@@ -419,9 +363,10 @@ def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace
         num_tokens=num_tokens, top_k=top_k, slot_count=slots)
 
 
-def warmup(device, *, ep_size: int, num_experts: int, max_tokens_per_rank: int, top_k: int,
-           slot_count: Optional[int] = None, max_programs: int = EXCHANGE_PROGRAMS,
-           with_expert_counts=(True, False)) -> None:
+def warmup_prepare(device, *, ep_size: int, num_experts: int, max_tokens_per_rank: int,
+                   top_k: int, slot_count: Optional[int] = None,
+                   config: PrepareConfig = PrepareConfig(),
+                   with_expert_counts=(True, False)) -> None:
     """Compile and load every kernel :func:`triton_prepare` launches for one configuration,
     without communicating, then synchronize ``device``.
 
@@ -435,39 +380,14 @@ def warmup(device, *, ep_size: int, num_experts: int, max_tokens_per_rank: int, 
     device = torch.device(device)
     ids = torch.full((max_tokens_per_rank, top_k), slots, dtype=torch.int32, device=device)
     weights = torch.zeros((max_tokens_per_rank, top_k), dtype=torch.float32, device=device)
-    cfg = exchange_config(ep_size, max_tokens_per_rank, top_k, slots, max_programs)
+    cfg = exchange_config(ep_size, max_tokens_per_rank, top_k, slots, config.max_programs)
     workspace = torch.zeros((ep_size, cfg.words), dtype=torch.int64, device=device)
     counter = torch.zeros(1, dtype=torch.int64, device=device)
+    give_up = dataclasses.replace(config, timeout_spins=0)
     for counts in with_expert_counts:
         triton_prepare(ids, weights, workspace, ep_rank=0, ep_size=ep_size,
                        num_experts=num_experts, max_tokens_per_rank=max_tokens_per_rank,
                        slot_count=slots, call_counter=counter, with_expert_counts=counts,
-                       timeout_spins=0, max_programs=max_programs, check=False,
-                       check_ids=False)
+                       config=give_up, check=False, check_ids=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class PrepareTimeout(RuntimeError):
-    """Some source ranks did not deliver their prepare data within the spin bound."""
-
-
-def timed_out_sources(status: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(source ranks whose wait timed out, the calls it happened in) from a status tensor,
-    ``status[s]`` = c + 1 of the last call c that timed out for source s (reading it is a
-    host sync). Shared with a2a/triton_transport.py."""
-    values = status.tolist()
-    missing = [source for source, value in enumerate(values) if value]
-    return missing, sorted({values[s] - 1 for s in missing})
-
-
-def raise_on_timeout(status: torch.Tensor, ep_rank: int) -> None:
-    """Raise :class:`PrepareTimeout` naming the source ranks whose data did not arrive
-    (``timed_out_sources``)."""
-    missing, calls = timed_out_sources(status)
-    if missing:
-        raise PrepareTimeout(
-            f"rank {ep_rank}: source rank(s) {missing} did not deliver their prepare data "
-            f"within timeout_spins (call(s) {calls}; did every rank make the same sequence of "
-            f"triton_prepare calls on this workspace?). The workspace is now stale: zero it "
-            f"and its call counter on every rank.")

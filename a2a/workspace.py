@@ -33,6 +33,19 @@ import torch.distributed as dist
 # Bytes of one workspace word: FlashInfer's kernels and the Triton prepare address the workspace
 # as uint64.
 WORD_BYTES = 8
+# Both MNNVL transports (the Triton transport and FlashInfer's moe_comm) move rows as 16-byte
+# vectors, so that every dtype (bf16, packed nvfp4, scale bytes) moves bit-exactly.
+ROW_ALIGN_BYTES = 16
+
+
+def check_row_bytes(name: str, row_bytes: int) -> None:
+    """Raise ValueError unless rows of ``row_bytes`` bytes are a positive multiple of 16, as
+    both MNNVL transports need."""
+    if row_bytes <= 0 or row_bytes % ROW_ALIGN_BYTES:
+        raise ValueError(f"{name}: rows of {row_bytes} bytes; the MNNVL transports (Triton's and "
+                         f"FlashInfer's moe_comm) move rows of a positive multiple of "
+                         f"{ROW_ALIGN_BYTES} bytes: pad the hidden size or use the 'torch' "
+                         f"transport")
 
 
 class MnnvlWorkspace:

@@ -23,13 +23,17 @@ Bytes (per rank, averaged over the ranks; ``row`` = bytes of one payload row):
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Optional
 
 import torch
 
-from bench.stages import (Path, Stage, Unavailable, assert_same, generator, load, make_path,
-                          make_topk)
+from a2a import MoEAlltoall
+from a2a.backends import flashinfer_installed, why_unavailable
+from a2a.config import TransportConfig
+from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce
+from a2a.routing import route_topk
+from bench.stages import Path, Stage, Unavailable, assert_same, generator, make_path, make_topk
+from kernels import quantize, reference
 
 # DeepSeek-V3 routing in the layer (runs on FlashInfer on SM90 too).
 LAYER_ROUTING = dict(method="deepseek_v3", num_groups=8, topk_groups=4, routed_scaling=2.5)
@@ -58,7 +62,7 @@ def _all_inputs(shape: dict, device: torch.device, ctx) -> dict:
         weights.append(w)
         xs.append(torch.randn(tokens, hidden, generator=generator(device, 200 + rank),
                               device=device).to(torch.bfloat16))
-    plans = load("kernels.reference", "simulate_alltoall")(ids, weights, experts, tokens)
+    plans = reference.simulate_alltoall(ids, weights, experts, tokens)
     return dict(ids=ids, weights=weights, xs=xs, plans=plans, rank=ctx.rank, ranks=ranks)
 
 
@@ -121,18 +125,22 @@ def _segments(cumsum: torch.Tensor) -> list[tuple[int, int]]:
 PREPARE_HIDDEN = 16
 
 
-def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str, quantize: str = "triton"):
-    """An ``a2a.MoEAlltoall`` for this shape (collective), closed after the shape."""
-    cls = load("a2a", "MoEAlltoall")
-    why = load("a2a.backends", "why_unavailable")
+def _moe_alltoall(ctx, shape: dict, prepare: str, transport: str, quantize: str = "triton",
+                  transport_config: Optional[TransportConfig] = None):
+    """An ``a2a.MoEAlltoall`` for this shape (collective), closed after the shape. Made with
+    ``agree=False``: the rows time the data movement, without the per-call agreement of the
+    ranks over the store (a host round trip that a hot loop turns off; the inputs here are
+    valid on every rank, and the tests cover the agreement)."""
     for stage, backend in (("prepare", prepare), ("transport", transport),
                            ("quantize", quantize)):
-        reason = why(stage, backend, ctx.device)
+        reason = why_unavailable(stage, backend, ctx.device)
         if reason is not None:
             raise Unavailable(f"not available: {reason}")
-    instance = cls(ctx.group, shape["experts"], shape["top_k"], shape["tokens"],
-                   shape.get("hidden", PREPARE_HIDDEN),
-                   backends={"prepare": prepare, "transport": transport, "quantize": quantize})
+    instance = MoEAlltoall(ctx.group, shape["experts"], shape["top_k"], shape["tokens"],
+                           shape.get("hidden", PREPARE_HIDDEN),
+                           backends={"prepare": prepare, "transport": transport,
+                                     "quantize": quantize},
+                           transport_config=transport_config, agree=False)
     ctx.shared.setdefault("closers", []).append(instance.close)
     return instance
 
@@ -141,7 +149,7 @@ def _one_sided(ctx, shape: dict):
     """FlashInfer's one-sided ``MoeAlltoAll`` for this (E, k); every instance shares one
     workspace sized for the largest shape of the sweep (FlashInfer caches workspaces by size
     for the life of the process)."""
-    if not load("a2a.backends", "flashinfer_installed")():
+    if not flashinfer_installed():
         raise Unavailable("not available: FlashInfer is not installed")
     try:
         from flashinfer.comm.comm_backend import TorchDistBackend
@@ -197,19 +205,16 @@ def _one_sided_sorted(recv_x: torch.Tensor, recv_tags: torch.Tensor, inputs: dic
 def _dispatch_build(shape: dict, device: torch.device, ctx=None) -> dict:
     inputs = _all_inputs(shape, device, ctx)
     if shape["quant"] == "nvfp4":
-        scale = load("kernels.reference", "nvfp4_global_scale")
-        quantize = load("kernels.reference", "quantize_nvfp4")
         # One global scale shared by all ranks (in practice, the max over the ranks).
-        gs = torch.stack([scale(x) for x in inputs["xs"]]).min(dim=0).values
-        rows = [quantize(x, gs, layout="linear") for x in inputs["xs"]]
+        gs = torch.stack([reference.nvfp4_global_scale(x) for x in inputs["xs"]]).min(
+            dim=0).values
+        rows = [reference.quantize_nvfp4(x, gs, layout="linear") for x in inputs["xs"]]
         inputs["global_scale"] = gs
-        simulate = load("kernels.reference", "simulate_dispatch")
-        codes = simulate([r[0] for r in rows], inputs["plans"])
-        scales = simulate([r[1] for r in rows], inputs["plans"])
+        codes = reference.simulate_dispatch([r[0] for r in rows], inputs["plans"])
+        scales = reference.simulate_dispatch([r[1] for r in rows], inputs["plans"])
         inputs["expected"] = (codes[ctx.rank], scales[ctx.rank])
     else:
-        inputs["expected"] = load("kernels.reference", "simulate_dispatch")(
-            inputs["xs"], inputs["plans"])[ctx.rank]
+        inputs["expected"] = reference.simulate_dispatch(inputs["xs"], inputs["plans"])[ctx.rank]
     return inputs
 
 
@@ -226,9 +231,10 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     x = inputs["xs"][rank]
     quant = None if shape["quant"] == "bf16" else shape["quant"]
 
-    def ours(transport):
+    def ours(transport, transport_config=None):
         def factory():
-            a2a = _moe_alltoall(ctx, shape, "torch", transport)
+            a2a = _moe_alltoall(ctx, shape, "torch", transport,
+                                transport_config=transport_config, agree=False)
             my_plan = a2a.prepare(inputs["ids"][rank], inputs["weights"][rank])
             return lambda: a2a.dispatch(x, my_plan, quant=quant,
                                         global_scale=inputs.get("global_scale"))
@@ -239,15 +245,15 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     paths = [make_path(b, ours(b), normalize=lambda out: _received(out, inputs),
                        capture_safe=b != "torch")
              for b in ("triton", "flashinfer", "torch")]
-    if quant == "nvfp4":  # the quantizer in the Triton send kernel (FUSED_NVFP4_DISPATCH)
-        paths.append(make_path(FUSED, _fused_nvfp4(ctx, shape, inputs, x),
+    if quant == "nvfp4":  # the quantizer in the Triton send kernel
+        paths.append(make_path(FUSED, ours("triton", TransportConfig(fused_nvfp4_dispatch=True)),
                                normalize=lambda out: _received(out, inputs), capture_safe=True))
     if quant is not None:
         paths.append(Path(ONE_SIDED, reason="not run: the one-sided reference row sends bf16 "
                                             "rows only"))
         return paths
-    # send and receive programs in one launch (a2a.triton_transport.OVERLAP)
-    paths.append(make_path(OVERLAPPED, flag_on("a2a.triton_transport", "OVERLAP", ours("triton")),
+    # send and receive programs in one launch
+    paths.append(make_path(OVERLAPPED, ours("triton", TransportConfig(overlap=True)),
                            normalize=lambda out: _received(out, inputs), capture_safe=True))
 
     holder: dict = {}
@@ -268,36 +274,6 @@ def _dispatch_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                      normalize=lambda recv: _one_sided_sorted(recv[0], recv[1], inputs),
                      after=lambda: holder["after"]())
     return paths + [path]
-
-
-def flag_on(module_name: str, flag: str, factory):
-    """Path factory: ``factory``'s call with the module switch ``module_name.flag`` set to True
-    around each call (restored after; a captured graph keeps what ran at capture)."""
-    def wrapped():
-        module = importlib.import_module(module_name)
-        if not hasattr(module, flag):
-            raise Unavailable(f"not available: {module_name}.{flag} is not written")
-        call = factory()
-
-        def run():
-            saved = getattr(module, flag)
-            setattr(module, flag, True)
-            try:
-                return call()
-            finally:
-                setattr(module, flag, saved)
-        return run
-    return wrapped
-
-
-def _fused_nvfp4(ctx, shape: dict, inputs: dict, x):
-    """Path factory: MoEAlltoall's NVFP4 dispatch on the Triton transport with the quantizer in
-    the send kernel (a2a.alltoall.FUSED_NVFP4_DISPATCH)."""
-    def factory():
-        a2a = _moe_alltoall(ctx, shape, "torch", "triton")
-        plan = a2a.prepare(inputs["ids"][inputs["rank"]], inputs["weights"][inputs["rank"]])
-        return lambda: a2a.dispatch(x, plan, quant="nvfp4", global_scale=inputs["global_scale"])
-    return flag_on("a2a.alltoall", "FUSED_NVFP4_DISPATCH", factory)
 
 
 def _dispatch_check(out, ref, inputs, shape) -> None:
@@ -321,10 +297,9 @@ DISPATCH = Stage(
 
 def _combine_build(shape: dict, device: torch.device, ctx=None) -> dict:
     inputs = _all_inputs(shape, device, ctx)
-    received = load("kernels.reference", "simulate_dispatch")(inputs["xs"], inputs["plans"])
+    received = reference.simulate_dispatch(inputs["xs"], inputs["plans"])
     inputs["expert_out"] = received[ctx.rank]
-    inputs["expected"] = load("kernels.reference", "simulate_combine")(
-        received, inputs["plans"])[ctx.rank]
+    inputs["expected"] = reference.simulate_combine(received, inputs["plans"])[ctx.rank]
     return inputs
 
 
@@ -369,11 +344,11 @@ COMBINE = Stage(
 # Prepare across ranks
 # ---------------------------------------------------------------------------------------------
 
-def _canonical_plan(plan) -> dict:
+def canonical_plan(plan) -> dict:
     """The plan with FlashInfer's atomic order taken out: each send segment sorted by token
     (backward indices moved along), each receive segment's (ids, weights) rows sorted by their
-    content (:func:`_canonical_rows`; rows with equal ids, common under skewed routing, differ
-    in their weights: sorting by the ids alone left them in arrival order)."""
+    content (:func:`sort_segments_by_content`; rows with equal ids, common under skewed
+    routing, differ in their weights: sorting by the ids alone left them in arrival order)."""
     out = {"send_rank_count_cumsum": plan.send_rank_count_cumsum,
            "recv_rank_count_cumsum": plan.recv_rank_count_cumsum}
     send = plan.send_rank_local_indices.clone()
@@ -381,8 +356,8 @@ def _canonical_plan(plan) -> dict:
     for start, end in _segments(plan.send_rank_count_cumsum):
         order = send[start:end].long().argsort() + start
         send[start:end], backward[start:end] = send[order], backward[order]
-    ids, weights = _canonical_rows((plan.recv_expert_ids, plan.recv_weights),
-                                   plan.recv_rank_count_cumsum)
+    ids, weights = sort_segments_by_content((plan.recv_expert_ids, plan.recv_weights),
+                                            plan.recv_rank_count_cumsum)
     out.update(send_rank_local_indices=send, backward_recv_rank_local_indices=backward,
                recv_rank_local_indices=plan.recv_rank_local_indices, recv_expert_ids=ids,
                recv_weights=weights)
@@ -397,20 +372,20 @@ def _prepare_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     def ours(prepare):
         def factory():
             a2a = _moe_alltoall(ctx, shape, prepare, "torch")
-            # check_inputs=False: no host read of the ids and no agreement all_reduce (the
-            # inputs are valid; the checked call is covered by the tests).
+            # check_inputs=False: no host read of the ids (the inputs are valid; the checked
+            # call is covered by the tests).
             return lambda: a2a.prepare(inputs["ids"][rank], inputs["weights"][rank],
                                        check_inputs=False)
         return factory
 
     # The Triton prepare's fast path (check_inputs=False) has no host sync and keeps its call
     # number on the device: timed by CUDA-graph replay. FlashInfer's and torch's eagerly.
-    return [make_path(b, ours(b), normalize=_canonical_plan, capture_safe=b == "triton")
+    return [make_path(b, ours(b), normalize=canonical_plan, capture_safe=b == "triton")
             for b in ("triton", "flashinfer", "torch")]
 
 
 def _prepare_check(out: dict, ref, inputs, shape) -> None:
-    expected = _canonical_plan(inputs["plans"][inputs["rank"]])
+    expected = canonical_plan(inputs["plans"][inputs["rank"]])
     for name, value in expected.items():
         if name == "expert_counts" and name not in out:
             continue  # a path that does not gather the statistics
@@ -474,7 +449,7 @@ def _row_keys(parts: tuple) -> torch.Tensor:
         if data.shape[0] else data.new_zeros(0, dtype=torch.float64)
 
 
-def _canonical_rows(parts: tuple, cumsum: torch.Tensor) -> tuple:
+def sort_segments_by_content(parts: tuple, cumsum: torch.Tensor) -> tuple:
     """``parts`` (received rows, the valid prefix) with each source rank's segment sorted by
     row content: FlashInfer's prepare sends a segment in atomic order, the oracle by token."""
     order = torch.arange(parts[0].shape[0], device=parts[0].device)
@@ -484,44 +459,46 @@ def _canonical_rows(parts: tuple, cumsum: torch.Tensor) -> tuple:
     return tuple(p[order] for p in parts)
 
 
-def _layer_build(shape: dict, device: torch.device, ctx=None) -> dict:
+def layer_build(shape: dict, device: torch.device, ctx=None) -> dict:
     """Every rank's logits and tokens; the oracle pipeline: reference routing ->
     simulate_alltoall -> [quantize_nvfp4 ->] simulate_dispatch -> [dequantize_nvfp4 ->]
     identity experts (reference permute, gather, weighted un-permute) -> simulate_combine."""
-    ref = lambda name: load("kernels.reference", name)  # noqa: E731
     inputs = _all_inputs(shape, device, ctx)
     rank, ranks, experts, k = ctx.rank, ctx.world_size, shape["experts"], shape["top_k"]
     bias = 0.1 * torch.randn(experts, generator=generator(device, 301), device=device)
     all_logits = [_layer_logits(shape, device, r, bias) for r in range(ranks)]
-    routed = [ref("route_topk")(logits, k, bias=bias, **LAYER_ROUTING) for logits in all_logits]
+    routed = [reference.route_topk(logits, k, bias=bias, **LAYER_ROUTING)
+              for logits in all_logits]
     ids, weights = [r[0] for r in routed], [r[1] for r in routed]
-    plans = ref("simulate_alltoall")(ids, weights, experts, shape["tokens"])
+    plans = reference.simulate_alltoall(ids, weights, experts, shape["tokens"])
     # The plans of the routed ids (also for the bytes moved), replacing _all_inputs' draws.
     inputs.update(logits=all_logits[rank], bias=bias, ids=ids, weights=weights, plans=plans)
     if shape["payload"] == "nvfp4":
         # A static global scale shared by all ranks (as a calibrated input scale would be):
         # the receiver decodes every source's rows with it. Computed here, untimed.
-        gs = torch.stack([ref("nvfp4_global_scale")(x) for x in inputs["xs"]]).min(dim=0).values
-        quantized = [ref("quantize_nvfp4")(x, gs, layout="linear") for x in inputs["xs"]]
-        codes = ref("simulate_dispatch")([q[0] for q in quantized], plans)
-        scales = ref("simulate_dispatch")([q[1] for q in quantized], plans)
-        rows = [ref("dequantize_nvfp4")(c, sf, gs, dtype=torch.bfloat16)
+        gs = torch.stack([reference.nvfp4_global_scale(x) for x in inputs["xs"]]).min(
+            dim=0).values
+        quantized = [reference.quantize_nvfp4(x, gs, layout="linear") for x in inputs["xs"]]
+        codes = reference.simulate_dispatch([q[0] for q in quantized], plans)
+        scales = reference.simulate_dispatch([q[1] for q in quantized], plans)
+        rows = [reference.dequantize_nvfp4(c, sf, gs, dtype=torch.bfloat16)
                 for c, sf in zip(codes, scales)]
         received = (codes[rank], scales[rank])
         inputs["global_scale"] = gs
     else:
-        rows = ref("simulate_dispatch")(inputs["xs"], plans)
+        rows = reference.simulate_dispatch(inputs["xs"], plans)
         received = (rows[rank],)
     local = experts // ranks
     expert_out = []
     for receiver, plan in enumerate(plans):
-        order = ref("permute_by_expert")(plan.recv_expert_ids, experts,
-                                         first_expert=receiver * local, num_local_experts=local)
+        order = reference.permute_by_expert(plan.recv_expert_ids, experts,
+                                            first_expert=receiver * local,
+                                            num_local_experts=local)
         source = order.source_rows
         token_rows = torch.where(source >= 0, source // k, source).to(torch.int32)
-        gathered = ref("gather_rows")(rows[receiver], token_rows)
-        expert_out.append(ref("unpermute_and_reduce")(gathered, order, plan.recv_weights))
-    out = ref("simulate_combine")(expert_out, plans)[rank]
+        gathered = reference.gather_rows(rows[receiver], token_rows)
+        expert_out.append(reference.unpermute_and_reduce(gathered, order, plan.recv_weights))
+    out = reference.simulate_combine(expert_out, plans)[rank]
     inputs["expected"] = _layer_normalize((out, plans[rank].recv_rank_count_cumsum, received,
                                            rows[rank]), inputs)
     return inputs
@@ -533,11 +510,12 @@ def _layer_normalize(result: tuple, inputs: dict) -> dict:
     out, cumsum, received, rows = result
     total = int(inputs["plans"][inputs["rank"]].total_recv)
     oracle_cumsum = inputs["plans"][inputs["rank"]].recv_rank_count_cumsum
-    parts = _canonical_rows(tuple(p[:total] for p in received) + (rows[:total],), oracle_cumsum)
+    parts = sort_segments_by_content(tuple(p[:total] for p in received) + (rows[:total],),
+                                     oracle_cumsum)
     return dict(out=out, recv_rank_count_cumsum=cumsum, received=parts[:-1], rows=parts[-1])
 
 
-def _layer_check(out: dict, ref, inputs: dict, shape: dict) -> None:
+def layer_check(out: dict, ref, inputs: dict, shape: dict) -> None:
     """Counts, received rows (codes and scales) and the rows the experts read (dequantized)
     exactly; the layer's output with the bf16 tolerance (the reductions' order may differ)."""
     expected = inputs["expected"]
@@ -551,15 +529,15 @@ def _layer_check(out: dict, ref, inputs: dict, shape: dict) -> None:
     assert_same(out["out"], expected["out"], what="layer output")
 
 
-def _layer_choice(backend: str, device: torch.device) -> dict:
+def layer_choice(backend: str, device: torch.device) -> dict:
     """The backend of each stage for the layer row ``backend``: that backend wherever the
     stage switch says it can run, else triton (e.g. on CUDA the triton row runs the Triton
     transport and prepare; on SM90 the flashinfer row quantizes with Triton)."""
-    why = load("a2a.backends", "why_unavailable")
     choice = {}
     for stage in ("routing", "prepare", "quantize", "transport", "permute"):
         context = {"method": LAYER_ROUTING["method"]} if stage == "routing" else {}
-        choice[stage] = backend if why(stage, backend, device, **context) is None else "triton"
+        choice[stage] = (backend if why_unavailable(stage, backend, device, **context) is None
+                         else "triton")
     return choice
 
 
@@ -573,22 +551,19 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
     def layer(backend):
         def factory():
-            route = load("a2a.routing", "route_topk")
-            permute = load("a2a.permute", "permute_by_expert")
-            gather = load("a2a.permute", "gather_rows")
-            unpermute = load("a2a.permute", "unpermute_and_reduce")
-            choice = _layer_choice(backend, ctx.device)
-            dequantize = load("kernels.reference" if choice["quantize"] == "torch"
-                              else "kernels.quantize", "dequantize_nvfp4")
+            choice = layer_choice(backend, ctx.device)
+            dequantize = (reference.dequantize_nvfp4 if choice["quantize"] == "torch"
+                          else quantize.dequantize_nvfp4)
             a2a = _moe_alltoall(ctx, shape, choice["prepare"], choice["transport"],
                                 quantize=choice["quantize"])
 
             def run():
-                ids, weights = route(inputs["logits"], k, LAYER_ROUTING["method"],
-                                     bias=inputs["bias"], num_groups=LAYER_ROUTING["num_groups"],
-                                     topk_groups=LAYER_ROUTING["topk_groups"],
-                                     routed_scaling=LAYER_ROUTING["routed_scaling"],
-                                     backend=choice["routing"])
+                ids, weights = route_topk(inputs["logits"], k, LAYER_ROUTING["method"],
+                                          bias=inputs["bias"],
+                                          num_groups=LAYER_ROUTING["num_groups"],
+                                          topk_groups=LAYER_ROUTING["topk_groups"],
+                                          routed_scaling=LAYER_ROUTING["routed_scaling"],
+                                          backend=choice["routing"])
                 plan = a2a.prepare(ids, weights)
                 if nvfp4:  # quantize (in dispatch), send codes + scales, decode on arrival
                     received = a2a.dispatch(x, plan, quant="nvfp4", global_scale=gs)
@@ -596,14 +571,16 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 else:
                     recv = a2a.dispatch(x, plan)
                     received = (recv,)
-                order = permute(plan.recv_expert_ids, experts, first_expert=rank * local_experts,
-                                num_local_experts=local_experts, backend=choice["permute"])
+                order = permute_by_expert(plan.recv_expert_ids, experts,
+                                          first_expert=rank * local_experts,
+                                          num_local_experts=local_experts,
+                                          backend=choice["permute"])
                 # Token row of each permuted (row, slot) pair; UNUSED (-1) stays -1.
                 source = order.source_rows
                 token_rows = torch.where(source >= 0, source // k, source)
-                rows = gather(recv, token_rows, backend=choice["permute"])
-                rows = rows[0] if isinstance(rows, tuple) else rows
-                expert_out = unpermute(rows, order, plan.recv_weights, backend=choice["permute"])
+                rows = gather_rows(recv, token_rows, backend=choice["permute"])
+                expert_out = unpermute_and_reduce(rows, order, plan.recv_weights,
+                                                  backend=choice["permute"])
                 return a2a.combine(expert_out, plan), plan.recv_rank_count_cumsum, received, recv
             return run
         return factory
@@ -620,7 +597,7 @@ def _layer_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 LAYER = Stage(
     name="layer", keys=("tokens", "hidden", "experts", "top_k", "routing"),
     variants=({"payload": "bf16"}, {"payload": "nvfp4"}),
-    build=_layer_build, paths=_layer_paths, check=_layer_check,
+    build=layer_build, paths=_layer_paths, check=layer_check,
     traffic=_layer_traffic, dtype=lambda shape: shape.get("payload", "bf16"), distributed=True,
     oracle=None)
 

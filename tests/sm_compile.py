@@ -15,6 +15,7 @@ Must run without ``TRITON_INTERPRET`` (``tests/test_sm_compile.py`` starts it th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -69,6 +70,7 @@ def install_compile_only(arch: int) -> list[str]:
 def launch_everything() -> None:
     """Call every public launcher (and the transport/prepare warm-ups) on CPU tensors."""
     from a2a import triton_prepare, triton_transport
+    from a2a.config import TransportConfig, default_send_nvfp4_launch
     from bench import floor
     from kernels import gather, permute, quantize as Q, routing
     from kernels.spec import SCALE_LAYOUTS, swizzled_scale_shape
@@ -114,13 +116,12 @@ def launch_everything() -> None:
                                 torch.zeros(64, 8))
 
     cpu = torch.device("cpu")
-    triton_prepare.warmup(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64, top_k=8)
-    triton_transport.warmup(cpu, ep_size=2, max_tokens_per_rank=64, row_bytes=7168 * 2,
-                            top_k=8)
-    triton_transport.OVERLAP = True  # the one-launch transfer kernel
-    triton_transport.warmup(cpu, ep_size=2, max_tokens_per_rank=64, row_bytes=7168 * 2,
-                            top_k=8)
-    triton_transport.OVERLAP = False
+    triton_prepare.warmup_prepare(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64,
+                                  top_k=8)
+    for overlap in (False, True):  # the two-kernel and the one-launch transfer
+        triton_transport.warmup_transport(cpu, ep_size=2, max_tokens_per_rank=64,
+                                          row_bytes=7168 * 2, top_k=8,
+                                          config=TransportConfig(overlap=overlap))
     counts = torch.zeros(2, dtype=torch.int32)
     unused = torch.zeros(128, dtype=torch.int32)
     plan = AlltoallPlan(counts, unused, unused, counts, unused,
@@ -129,10 +130,14 @@ def launch_everything() -> None:
                         slot_count=32)
     row_bytes = triton_transport.nvfp4_row_bytes(7168)
     words = triton_transport.transport_workspace_bytes(2, 64, row_bytes) // 8
-    triton_transport.triton_dispatch_nvfp4(
-        torch.zeros(64, 7168, dtype=torch.bfloat16), gs, plan,
-        torch.zeros(2, words, dtype=torch.int64), call_counter=torch.zeros(1, dtype=torch.int64),
-        check=False, timeout_spins=0)
+    # the quantizing send without and with the word-level PTX path a CUDA tensor would get
+    for ptx in (False, True):
+        send_launch = dataclasses.replace(default_send_nvfp4_launch(), ptx=ptx)
+        triton_transport.triton_dispatch_nvfp4(
+            torch.zeros(64, 7168, dtype=torch.bfloat16), gs, plan,
+            torch.zeros(2, words, dtype=torch.int64),
+            call_counter=torch.zeros(1, dtype=torch.int64), check=False,
+            config=TransportConfig(timeout_spins=0, nvfp4_launch=send_launch))
 
 
 def main(argv=None) -> None:

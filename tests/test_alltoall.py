@@ -13,11 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from a2a.agreement import BrokenAlltoall, PeerRejected, PeerTimeout
 from a2a.alltoall import MoEAlltoall, sum_over_slots
 from a2a.backends import BackendUnavailable, flashinfer_installed
+from a2a.config import PrepareConfig, TransportConfig
 from kernels import reference
 from kernels.types import UNUSED
-from tests.support import assert_close, run_distributed
+from tests.support import assert_close, run_distributed, watchdog
 
 TORCH_BACKENDS = {"prepare": "torch", "transport": "torch"}
 
@@ -150,6 +152,14 @@ def _bad_input_body(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="disagree"):
         MoEAlltoall(None, num_experts, top_k, max_tokens, hidden + 8 * rank,
                     backends=TORCH_BACKENDS)
+    # The Triton transport's and prepare's configs are part of the configuration (two objects
+    # may differ; the ranks of one may not), and so are timeout and agree.
+    for differs in (dict(transport_config=TransportConfig(overlap=rank == 1)),
+                    dict(prepare_config=PrepareConfig(max_programs=64 + rank)),
+                    dict(timeout=60.0 + rank), dict(agree=rank == 0)):
+        with pytest.raises(ValueError, match="disagree"):
+            MoEAlltoall(None, num_experts, top_k, max_tokens, hidden, backends=TORCH_BACKENDS,
+                        **differs)
     # One rank rejecting the configuration raises everywhere.
     with pytest.raises(ValueError, match="multiple of the group size|rejected"):
         MoEAlltoall(None, num_experts + rank, top_k, max_tokens, hidden, backends=TORCH_BACKENDS)
@@ -298,6 +308,200 @@ def _quantized_body(rank: int, world_size: int) -> None:
 
 
 def test_quantized_dispatch_moves_codes_and_scales_bit_exactly():
-    pytest.importorskip("a2a.quantize", reason="a2a.quantize (the quantize stage) has not "
-                        "landed on this branch yet")
     run_distributed(2, _quantized_body)
+
+
+# ---------------------------------------------------------------------------------------------
+# No rank left hanging (issue 16): each scenario ends with an error on every rank
+# ---------------------------------------------------------------------------------------------
+
+# The objects' bound on waiting for a peer (seconds), and each scenario's hard bound: past it,
+# the rank prints its traceback and exits (tests.support.watchdog), which fails the test.
+PEER_TIMEOUT_S = 3.0
+SCENARIO_LIMIT_S = 10.0
+# The whole test's hard bound (startup and every scenario), after which the harness kills it.
+HANG_TEST_LIMIT_S = 240.0
+# The layer of the scenarios: E (a multiple of 2 and 3), k, N, H.
+HANG_E, HANG_K, HANG_N, HANG_H = 12, 2, 4, 16
+
+
+def _small_a2a(**kwargs) -> MoEAlltoall:
+    return MoEAlltoall(None, HANG_E, HANG_K, HANG_N, HANG_H, backends=TORCH_BACKENDS,
+                       timeout=PEER_TIMEOUT_S,
+                       **kwargs)
+
+
+def _peer_error(bad: int):
+    """What the ranks other than ``bad`` raise when ``bad`` rejected its arguments."""
+    return pytest.raises(PeerRejected, match=rf"rank\(s\) \[{bad}\] rejected their arguments")
+
+
+def _still_usable(a2a: MoEAlltoall, rank: int) -> None:
+    """After an agreed rejection nothing moved: the next calls work on every rank."""
+    ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=41)
+    plan = a2a.prepare(ids, weights)
+    recv = a2a.dispatch(make_payload(rank, 3, HANG_H, seed=41), plan)
+    assert a2a.combine(local_experts(recv, plan), plan).shape == (3, HANG_H)
+
+
+def _scenario_constructor_backends_string(rank, bad):
+    with pytest.raises(TypeError, match="backends must be a dict") if rank == bad \
+            else _peer_error(bad):
+        MoEAlltoall(None, HANG_E, HANG_K, HANG_N, HANG_H, timeout=PEER_TIMEOUT_S,
+                    backends="torch" if rank == bad else TORCH_BACKENDS)
+
+
+def _scenario_too_many_tokens_unchecked(rank, bad):
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 5 if rank == bad else 3, HANG_E, HANG_K, seed=42)
+        with pytest.raises(ValueError, match="max_tokens_per_rank") if rank == bad \
+                else _peer_error(bad):
+            a2a.prepare(ids, weights, check_inputs=False)
+        _still_usable(a2a, rank)
+
+
+def _scenario_padding_ids_unchecked(rank, bad):
+    """check_inputs=False with ids -1 and S + 3 on one rank: treated as padding, as the
+    Triton prepare does: the plan is the oracle's for those ids mapped to S."""
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 4, HANG_E, HANG_K, seed=43)
+        if rank == bad:
+            ids[0, 0], ids[2, 1] = -1, HANG_E + 3
+        plan = a2a.prepare(ids, weights, check_inputs=False)
+        fixed = torch.where((ids < 0) | (ids > HANG_E), HANG_E, ids)
+        all_ids, all_weights = zip(*gather((fixed, weights)))
+        oracle = reference.simulate_alltoall(list(all_ids), list(all_weights), HANG_E, HANG_N)
+        assert_plans_equal(plan, oracle[rank])
+
+
+def _scenario_dispatch_float64(rank, bad):
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=44)
+        plan = a2a.prepare(ids, weights)
+        x = make_payload(rank, 3, HANG_H, seed=44)
+        with pytest.raises(TypeError, match="float64") if rank == bad else _peer_error(bad):
+            a2a.dispatch(x.double() if rank == bad else x, plan)
+        _still_usable(a2a, rank)
+
+
+def _scenario_nvfp4_scale_of_two(rank, bad):
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=45)
+        plan = a2a.prepare(ids, weights)
+        x = make_payload(rank, 3, HANG_H, seed=45).bfloat16()
+        scale = torch.ones(2 if rank == bad else 1)
+        with pytest.raises(ValueError, match="global_scale must hold 1 element") \
+                if rank == bad else _peer_error(bad):
+            a2a.dispatch(x, plan, quant="nvfp4", global_scale=scale)
+        _still_usable(a2a, rank)
+
+
+def _scenario_combine_wrong_shape(rank, bad):
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=46)
+        plan = a2a.prepare(ids, weights)
+        recv = a2a.dispatch(make_payload(rank, 3, HANG_H, seed=46), plan)
+        expert_out = local_experts(recv, plan)
+        with pytest.raises(ValueError, match="expert_out has shape") if rank == bad \
+                else _peer_error(bad):
+            a2a.combine(expert_out[:-1] if rank == bad else expert_out, plan)
+        _still_usable(a2a, rank)
+
+
+def _scenario_raise_between_prepare_and_dispatch(rank, bad):
+    """The user's code on rank ``bad`` raises after prepare (a server catches it): the others'
+    dispatch raises within the timeout naming ``bad``; later, ``bad``'s own dispatch raises
+    instead of entering the collective alone, and the object refuses every call after."""
+    a2a = _small_a2a()
+    ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=47)
+    plan = a2a.prepare(ids, weights)
+    x = make_payload(rank, 3, HANG_H, seed=47)
+    if rank != bad:
+        # (whichever healthy rank decided first: "did not arrive within", "gave up waiting")
+        with pytest.raises(PeerTimeout, match=rf"rank\(s\) \[{bad}\] .*timeout={PEER_TIMEOUT_S}"):
+            a2a.dispatch(x, plan)
+    dist.barrier()  # `bad` comes back only after the others gave up
+    if rank == bad:
+        with pytest.raises(PeerTimeout, match=rf"gave up waiting for rank\(s\) \[{bad}\]"):
+            a2a.dispatch(x, plan)
+    with pytest.raises(BrokenAlltoall, match="unusable"):
+        a2a.prepare(ids, weights)
+    assert a2a.broken is not None
+    a2a.close()
+
+
+def _scenario_out_of_step(rank, bad):
+    """Rank ``bad`` skips dispatch and goes on with the next prepare before the others time
+    out: the ranks are at different calls, and every rank raises, naming the calls."""
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=48)
+        plan = a2a.prepare(ids, weights)
+        with pytest.raises(PeerRejected, match="different collective calls"):
+            if rank == bad:
+                a2a.prepare(ids, weights)
+            else:
+                a2a.dispatch(make_payload(rank, 3, HANG_H, seed=48), plan)
+        _still_usable(a2a, rank)
+
+
+def _scenario_broken_rank_poisons_the_next_call(rank, bad):
+    """A rank whose object broke (a timeout or an error while data moved) makes the next
+    agreement fail on every rank, naming it, without waiting for the timeout."""
+    from a2a.agreement import Agreement
+    agreement = Agreement(None, rank, dist.get_world_size(), PEER_TIMEOUT_S)
+    agreement.agree("construct", "", None)
+    if rank == bad:
+        agreement.poison(f"rank {bad}: a test breaks it")
+    else:
+        with pytest.raises(BrokenAlltoall, match=rf"MoEAlltoall of rank\(s\) \[{bad}\] broke"):
+            agreement.agree("dispatch", "", None)
+    with pytest.raises(BrokenAlltoall, match="unusable"):
+        agreement.agree("combine", "", None)
+
+
+def _scenario_agreements_leave_no_keys(rank, bad):
+    """Each call's keys are deleted by the last rank done with it: 20 calls leave the store
+    as they found it."""
+    from a2a.agreement import group_store
+    store = group_store(None)
+    with _small_a2a() as a2a:
+        dist.barrier()
+        before = store.num_keys()
+        dist.barrier()
+        ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=49)
+        x = make_payload(rank, 3, HANG_H, seed=49)
+        for _ in range(5):
+            _still_usable(a2a, rank)  # prepare, dispatch, combine
+            plan = a2a.prepare(ids, weights)
+            with pytest.raises(TypeError) if rank == bad else _peer_error(bad):
+                a2a.dispatch(x.double() if rank == bad else x, plan)  # an agreed rejection
+        dist.barrier()
+        after = store.num_keys()
+        dist.barrier()
+    assert after == before, (before, after)
+
+
+HANG_SCENARIOS = [_scenario_constructor_backends_string, _scenario_too_many_tokens_unchecked,
+                  _scenario_padding_ids_unchecked, _scenario_dispatch_float64,
+                  _scenario_nvfp4_scale_of_two, _scenario_combine_wrong_shape,
+                  _scenario_raise_between_prepare_and_dispatch, _scenario_out_of_step,
+                  _scenario_broken_rank_poisons_the_next_call,
+                  _scenario_agreements_leave_no_keys]
+
+
+def _hang_scenarios_body(rank: int, world_size: int) -> None:
+    _small_a2a().close()  # imports and first-use work, before the bounded scenarios
+    bad = world_size - 1  # the last rank misbehaves; with 3 ranks, two healthy ones wait
+    for scenario in HANG_SCENARIOS:
+        dist.barrier()
+        with watchdog(SCENARIO_LIMIT_S):
+            scenario(rank, bad)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_rank_left_hanging(world_size):
+    """Every hang scenario of issue 16 (one rank's bad argument in each collective call, the
+    user's code raising between prepare and dispatch, out-of-step calls, a broken rank) ends
+    with an error on every rank, each within SCENARIO_LIMIT_S, the healthy ranks naming the
+    one at fault; agreed rejections leave the object usable and the store clean."""
+    run_distributed(world_size, _hang_scenarios_body, timeout=HANG_TEST_LIMIT_S)

@@ -16,8 +16,9 @@ first use of FlashInfer's alltoall module JIT-builds it once).
 - MoEAlltoall (and its three MNNVL workspaces) is made, used and closed 20 times without
   leaking device memory, address reservations or file descriptors;
 - the Triton transport: 1,000 dispatch/combine iterations with fresh routing (bf16, and nvfp4
-  every 10th, also with the quantizer in the send kernel: FUSED_NVFP4_DISPATCH; another
-  bf16 dispatch every 10th as one launch of send and receive programs: OVERLAP),
+  every 10th, also by an object whose TransportConfig quantizes in the send kernel
+  (fused_nvfp4_dispatch); another bf16 dispatch every 10th by one whose TransportConfig moves
+  rows in one launch of send and receive programs (overlap)),
   bit-identical to the torch transport on the same plan, no timeout; prepare, dispatch and
   combine captured in one CUDA graph and replayed 100 times with fresh routing and inputs,
   each replay checked. These two also run with one rank (on a 1-GPU host).
@@ -32,9 +33,8 @@ import warnings
 import pytest
 import torch
 
-from a2a import alltoall as alltoall_module
-from a2a import triton_transport as transport_module
 from a2a.alltoall import MoEAlltoall
+from a2a.config import TransportConfig
 from kernels import reference
 from kernels.types import UNUSED
 from tests.support import assert_close, run_distributed
@@ -193,7 +193,7 @@ def _through_flashinfer_api(a2a, plan, x, recv, out, to_flashinfer_info) -> None
     from flashinfer.comm.trtllm_alltoall import MnnvlMoe
 
     info = to_flashinfer_info(plan)
-    workspace = a2a._workspace("comm")
+    workspace = a2a.flashinfer_comm_workspace()
     total = int(plan.total_recv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -326,6 +326,13 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
     torch_ref = MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
                             backends={"prepare": "torch", "transport": "torch",
                                       "quantize": "triton"})
+    # The same transport with the quantizer in the send kernel, and with send and receive
+    # programs in one launch (their own workspaces; they move rows with `triton`'s plans).
+    fused, overlapped = (
+        MoEAlltoall(None, NUM_EXPERTS, TOP_K, MAX_TOKENS, HIDDEN,
+                    backends={"prepare": "triton", "transport": "triton", "quantize": "triton"},
+                    transport_config=config)
+        for config in (TransportConfig(fused_nvfp4_dispatch=True), TransportConfig(overlap=True)))
     mismatches = []
     generator = torch.Generator().manual_seed(100 + rank)
     for step in range(SOAK_STEPS):
@@ -344,24 +351,17 @@ def _triton_transport_soak_body(rank: int, world_size: int) -> None:
             got = triton.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
             want = torch_ref.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
             same = same and all(torch.equal(a, b) for a, b in zip(got, want))
-            alltoall_module.FUSED_NVFP4_DISPATCH = True  # quantizing in the send kernel
-            try:
-                fused = triton.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
-            finally:
-                alltoall_module.FUSED_NVFP4_DISPATCH = False
-            same = same and all(torch.equal(a, b) for a, b in zip(fused, want))
+            quantized_in_send = fused.dispatch(x, plan, quant="nvfp4", global_scale=global_scale)
+            same = same and all(torch.equal(a, b) for a, b in zip(quantized_in_send, want))
         if step % 10 == 5:  # the bf16 dispatch as one launch of send and receive programs
-            transport_module.OVERLAP = True
-            try:
-                same = same and torch.equal(triton.dispatch(x, plan), recv_ref)
-            finally:
-                transport_module.OVERLAP = False
+            same = same and torch.equal(overlapped.dispatch(x, plan), recv_ref)
         if not same:
             mismatches.append(step)
-    triton.check_transport()
+    for checked in (triton, fused, overlapped):
+        checked.check_transport()
     assert mismatches == [], mismatches
-    triton.close()
-    torch_ref.close()
+    for a2a in (triton, torch_ref, fused, overlapped):
+        a2a.close()
 
 
 @pytest.mark.parametrize("world_size", RANK_COUNTS)

@@ -704,7 +704,10 @@ class _Rank:
 
 @pytest.mark.parametrize("payload", ["bf16", "nvfp4"])
 def test_layer_oracle_pipeline_and_check(payload):
-    from bench.transport import LAYER, _canonical_rows, _layer_build, _layer_check
+    from bench.transport import LAYER
+    from bench.transport import layer_build as _layer_build
+    from bench.transport import layer_check as _layer_check
+    from bench.transport import sort_segments_by_content as _canonical_rows
     from kernels.reference import dequantize_nvfp4, quantize_nvfp4, route_topk
     shape = dict(payload=payload, tokens=6, hidden=64, experts=16, top_k=4, routing="skewed")
     assert shape in LAYER.shapes(Sweep(tokens=(6,), hidden=(64,), experts=(16,), top_k=(4,),
@@ -750,7 +753,7 @@ def test_layer_oracle_pipeline_and_check(payload):
 
 def test_layer_uses_the_triton_transport_on_cuda():
     # The stage switch lists the Triton transport on CUDA (no GPU needed to ask it).
-    from bench.transport import _layer_choice
+    from bench.transport import layer_choice as _layer_choice
     choice = _layer_choice("triton", torch.device("cuda", 0))
     assert choice == dict(routing="triton", prepare="triton", quantize="triton",
                           transport="triton", permute="triton")
@@ -775,7 +778,7 @@ def test_canonical_plan_orders_equal_id_rows_by_weight():
     a plan with such rows swapped canonicalizes equal, one with a changed weight does not."""
     import dataclasses
 
-    from bench.transport import _canonical_plan
+    from bench.transport import canonical_plan as _canonical_plan
     from kernels.reference import simulate_alltoall
     ids = [torch.tensor([[0, 1], [0, 1], [2, 3], [0, 1]], dtype=torch.int32),
            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)]
@@ -824,30 +827,3 @@ def test_tune_rotating_outputs_cycle_and_stay_exact(device):
     assert len(set(pointers)) >= 2 and pointers[0] != pointers[1]
     for out in outs:
         assert all(torch.equal(a, b) for a, b in zip(out, want))
-
-
-def test_flag_on_sets_the_switch_around_each_call_only():
-    """bench.transport.flag_on: the module switch is on during the path's call, restored
-    after, also when the call raises; a switch that does not exist makes the path
-    unavailable with the reason."""
-    import types
-    from bench.transport import flag_on
-    module = types.ModuleType("fake_switch_module")
-    module.SWITCH = False
-    sys.modules["fake_switch_module"] = module
-    try:
-        seen = []
-        run = flag_on("fake_switch_module", "SWITCH", lambda: lambda: seen.append(module.SWITCH))()
-        assert module.SWITCH is False
-        run()
-        assert seen == [True] and module.SWITCH is False
-
-        def boom():
-            raise RuntimeError("boom")
-        with pytest.raises(RuntimeError):
-            flag_on("fake_switch_module", "SWITCH", lambda: boom)()()
-        assert module.SWITCH is False
-        path = make_path("x", flag_on("fake_switch_module", "MISSING", lambda: lambda: None))
-        assert path.run is None and "MISSING is not written" in path.reason
-    finally:
-        del sys.modules["fake_switch_module"]

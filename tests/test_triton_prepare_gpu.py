@@ -10,22 +10,24 @@ Simulation: one zeroed [R, words] workspace (row r = rank r's inbox), one CUDA s
 every rank's call is launched on its own stream with ``check=False`` (a host sync inside one
 rank's call would wait for ranks not yet launched) and ``check_ids=False``; then all streams are
 synchronized and each plan is compared field by field with ``simulate_alltoall``. Each test
-first calls ``triton_prepare.warmup`` for its configuration: compiling (loading a CUDA module)
-waits for the device to be idle, which never happens while another rank's exchange spins.
-The exchange kernels of all R ranks must be resident at once or they deadlock: with
-``max_programs`` = P each rank launches R * C <= P programs of 4 warps, so R * P programs in all
-(at most 8 * 16 = 128 here), far below what 132 SMs hold.
+first calls ``triton_prepare.warmup_prepare`` for its configuration: compiling (loading a CUDA
+module) waits for the device to be idle, which never happens while another rank's exchange
+spins. The exchange kernels of all R ranks must be resident at once or they deadlock: with
+``PrepareConfig.max_programs`` = P each rank launches R * C <= P programs of 4 warps, so R * P
+programs in all (at most 8 * 16 = 128 here), far below what 132 SMs hold.
 """
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from a2a import triton_prepare as tp
+from a2a.config import PrepareConfig
+from a2a.protocol import PrepareTimeout, raise_on_timeout
 from kernels import prepare
 from kernels import reference as ref
+from tests.support import interpreter_with_runtime_loops
 from tests.test_reference_prepare import random_routing
 
 CONCURRENT = "the exchange needs its ranks running concurrently (each spins on the others' " \
@@ -49,8 +51,8 @@ def simulate_ranks(ids, weights, workspace, statuses, counters, *, num_experts, 
                 ids[rank], weights[rank], workspace, ep_rank=rank, ep_size=ep_size,
                 num_experts=num_experts, max_tokens_per_rank=max_tokens, slot_count=slots,
                 call_counter=counters[rank], with_expert_counts=with_expert_counts,
-                timeout_spins=timeout_spins, max_programs=max_programs, check=False,
-                check_ids=False, status=statuses[rank])
+                config=PrepareConfig(max_programs=max_programs, timeout_spins=timeout_spins),
+                check=False, check_ids=False, status=statuses[rank])
     torch.cuda.synchronize()
     return plans
 
@@ -98,8 +100,9 @@ def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tok
     workspace = torch.zeros((ep_size, words), dtype=torch.int64, device=device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
     counters = _counters(ep_size, device)
-    tp.warmup(device, ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
-              top_k=top_k, slot_count=slots, max_programs=max_programs)
+    tp.warmup_prepare(device, ep_size=ep_size, num_experts=experts,
+                      max_tokens_per_rank=max_tokens, top_k=top_k, slot_count=slots,
+                      config=PrepareConfig(max_programs=max_programs))
     for call in range(100):  # fresh routing every call: exercises the flags and the parities
         ids, weights, ids_dev, weights_dev = make_inputs(
             ep_size, max_tokens, top_k, experts, slots, generator, device, uneven=call % 3 == 1)
@@ -125,8 +128,9 @@ def test_bit_identical_over_100_runs(device):
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts)
     workspace = torch.zeros((ep_size, words), dtype=torch.uint64, device=device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
-    tp.warmup(device, ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
-              top_k=top_k, max_programs=16, with_expert_counts=(True,))
+    tp.warmup_prepare(device, ep_size=ep_size, num_experts=experts,
+                      max_tokens_per_rank=max_tokens, top_k=top_k,
+                      config=PrepareConfig(max_programs=16), with_expert_counts=(True,))
     counters = _counters(ep_size, device)
     first = simulate_ranks(ids, weights, workspace, statuses, counters, num_experts=experts,
                            max_tokens=max_tokens, slots=experts, max_programs=16)
@@ -152,8 +156,8 @@ def test_missing_rank_times_out_and_is_named(device):
                    num_experts=experts, max_tokens=max_tokens, slots=experts, max_programs=2,
                    timeout_spins=1000, ranks=[0])  # rank 1 never comes
     assert statuses[0].tolist() == [0, 1]  # source 1 timed out in call 0 (value call + 1)
-    with pytest.raises(tp.PrepareTimeout, match=r"source rank\(s\) \[1\]"):
-        tp.raise_on_timeout(statuses[0], 0)
+    with pytest.raises(PrepareTimeout, match=r"source rank\(s\) \[1\]"):
+        raise_on_timeout(statuses[0], 0, "prepare")
 
 
 @gpu_only[0]
@@ -182,8 +186,8 @@ def test_fast_path_has_no_host_sync_and_captures_in_a_cuda_graph(device):
     generator = torch.Generator().manual_seed(5)
     ids, weights, ids_dev, weights_dev = make_inputs(1, max_tokens, top_k, experts, experts,
                                                      generator, device, uneven=False)
-    tp.warmup(device, ep_size=1, num_experts=experts, max_tokens_per_rank=max_tokens,
-              top_k=top_k, with_expert_counts=(True,))
+    tp.warmup_prepare(device, ep_size=1, num_experts=experts, max_tokens_per_rank=max_tokens,
+                      top_k=top_k, with_expert_counts=(True,))
     words = tp.prepare_workspace_words(1, max_tokens, top_k, experts)
     workspace = torch.zeros((1, words), dtype=torch.int64, device=device)
     status = torch.zeros(1, dtype=torch.int64, device=device)
@@ -221,20 +225,6 @@ def test_bad_id_raises_before_anything_is_sent(device):
     assert int(workspace.abs().sum()) == 0  # no count, row or flag was written
 
 
-def _interpreter_with_runtime_loops(monkeypatch):
-    """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)``, which numpy 2
-    refuses for the 1-element arrays it holds; patch that one conversion for this test only."""
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-    patch_lang = interpreter._patch_lang
-
-    def patched(fn):
-        scope = patch_lang(fn)  # restoring the scope also undoes the line below
-        tl.core.tensor.__index__ = lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
-        return scope
-    monkeypatch.setattr(interpreter, "_patch_lang", patched)
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter emulation")
 @pytest.mark.parametrize("ep_size,max_tokens,top_k,experts,slots,max_programs,with_counts", [
     (2, 5, 2, 4, 4, 2, True),
@@ -244,12 +234,13 @@ def _interpreter_with_runtime_loops(monkeypatch):
 ])
 def test_exchange_index_math_emulated_on_cpu(monkeypatch, ep_size, max_tokens, top_k, experts,
                                              slots, max_programs, with_counts):
-    _interpreter_with_runtime_loops(monkeypatch)
+    interpreter_with_runtime_loops(monkeypatch)
     generator = torch.Generator().manual_seed(ep_size * 7 + max_tokens)
     words = tp.prepare_workspace_words(ep_size, max_tokens, top_k, experts, slots)
     workspace = torch.zeros((ep_size, words), dtype=torch.int64)
-    tp.warmup("cpu", ep_size=ep_size, num_experts=experts, max_tokens_per_rank=max_tokens,
-              top_k=top_k, slot_count=slots, max_programs=max_programs)  # touches no workspace
+    tp.warmup_prepare("cpu", ep_size=ep_size, num_experts=experts,
+                      max_tokens_per_rank=max_tokens, top_k=top_k, slot_count=slots,
+                      config=PrepareConfig(max_programs=max_programs))  # touches no workspace
     counters = _counters(ep_size, "cpu")
     for call in range(2):  # two calls: both parities of the double buffer
         ids, weights, _, _ = make_inputs(ep_size, max_tokens, top_k, experts, slots, generator,
@@ -262,8 +253,8 @@ def test_exchange_index_math_emulated_on_cpu(monkeypatch, ep_size, max_tokens, t
                 ids[rank], weights[rank], workspace, ep_rank=rank, ep_size=ep_size,
                 num_experts=experts, max_tokens_per_rank=max_tokens, slot_count=slots,
                 call_counter=counters[rank], with_expert_counts=with_counts,
-                timeout_spins=spins, max_programs=max_programs, check=spins > 2,
-                status=statuses[rank])
+                config=PrepareConfig(max_programs=max_programs, timeout_spins=spins),
+                check=spins > 2, status=statuses[rank])
                 for rank in range(ep_size)]
             assert [int(c) for c in counters] == [call + 1] * ep_size
         want = ref.simulate_alltoall(ids, weights, experts, max_tokens, slots,

@@ -1,4 +1,4 @@
-"""The Triton transport (a2a/triton_transport.py): dispatch and combine by direct stores.
+"""The Triton transport (a2a/triton_transport/): dispatch and combine by direct stores.
 
 CPU (TRITON_INTERPRET=1): the interpreter runs programs, and ranks, one after another, so a
 rank's receive cannot wait for a rank not yet run. Each call is emulated as in
@@ -20,9 +20,11 @@ import torch
 
 from a2a import triton_transport as tt
 from a2a.alltoall import sum_over_slots
+from a2a.config import TransportConfig
+from a2a.protocol import TransportTimeout, raise_on_timeout
 from kernels import reference as ref
+from tests.support import interpreter_with_runtime_loops
 from tests.test_reference_prepare import random_routing
-from tests.test_triton_prepare_gpu import _interpreter_with_runtime_loops
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="interpreter emulation (TRITON_INTERPRET=1)")
@@ -97,8 +99,10 @@ def _state_kind(kind):
     return {"combine_fused": "combine", "dispatch_nvfp4": "dispatch"}.get(kind, kind)
 
 
-def emulate(kind, rows_per_rank, plans, ranks, max_programs, global_scale=None):
-    """One call of ``kind`` on every rank, emulated in two passes (see the module docstring)."""
+def emulate(kind, rows_per_rank, plans, ranks, max_programs, global_scale=None,
+            overlap=False):
+    """One call of ``kind`` on every rank, emulated in two passes (see the module docstring);
+    ``overlap``: ``TransportConfig.overlap``."""
     move = _mover(kind, global_scale)
     kind = _state_kind(kind)
     counters = ranks.counters[kind]
@@ -108,8 +112,9 @@ def emulate(kind, rows_per_rank, plans, ranks, max_programs, global_scale=None):
         for rank, plan in enumerate(plans):
             counters[rank].fill_(start[rank])
             outs.append(move(rows_per_rank[rank], plan, ranks.workspace[kind],
-                             call_counter=counters[rank], timeout_spins=spins, check=check,
-                             max_programs=max_programs))
+                             call_counter=counters[rank], check=check,
+                             config=TransportConfig(timeout_spins=spins, overlap=overlap,
+                                                    max_programs=max_programs)))
     assert [int(c) for c in counters] == [s + 1 for s in start]
     return outs
 
@@ -125,9 +130,8 @@ def emulate(kind, rows_per_rank, plans, ranks, max_programs, global_scale=None):
 def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, experts, max_tokens,
                                               hidden, skewed, max_programs, overlap):
     """Row transfers (and the fused combine, which has one form); ``overlap``: the send and
-    receive programs in one launch (tt.OVERLAP)."""
-    _interpreter_with_runtime_loops(monkeypatch)
-    monkeypatch.setattr(tt, "OVERLAP", overlap)
+    receive programs in one launch (TransportConfig.overlap)."""
+    interpreter_with_runtime_loops(monkeypatch)
     ep_size = len(tokens)
     generator = torch.Generator().manual_seed(sum(tokens) * 10 + ep_size)
     row_bytes = hidden * 2  # bf16 rows
@@ -135,7 +139,8 @@ def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, expert
     for call in range(3):  # three calls: both parities, and parity 0 reused
         plans = make_plans(tokens, top_k, experts, max_tokens, generator, skewed)
         xs = [torch.randn(t, hidden, generator=generator).to(torch.bfloat16) for t in tokens]
-        got = emulate("dispatch", [x.view(torch.uint8) for x in xs], plans, ranks, max_programs)
+        got = emulate("dispatch", [x.view(torch.uint8) for x in xs], plans, ranks, max_programs,
+                      overlap=overlap)
         want = ref.simulate_dispatch(xs, plans)
         for rank in range(ep_size):
             assert got[rank].shape == (max_tokens * ep_size, row_bytes)
@@ -148,7 +153,7 @@ def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, expert
             out[int(plans[rank].total_recv):] = float("nan")
             outs.append(out.to(torch.bfloat16))
         scattered = emulate("combine", [o.view(torch.uint8) for o in outs], plans, ranks,
-                            max_programs)
+                            max_programs, overlap=overlap)
         want = ref.simulate_combine(outs, plans)
         want_scattered = reference_scattered(outs, plans)
         for rank in range(ep_size):
@@ -172,7 +177,7 @@ def test_dispatch_and_combine_emulated_on_cpu(monkeypatch, tokens, top_k, expert
 @interpreted
 def test_nvfp4_payload_moves_bit_exactly_on_cpu(monkeypatch):
     """Packed codes and scale bytes (rows of 16 bytes) move unchanged."""
-    _interpreter_with_runtime_loops(monkeypatch)
+    interpreter_with_runtime_loops(monkeypatch)
     tokens, top_k, experts, max_tokens, hidden = [6, 4], 2, 4, 6, 256
     generator = torch.Generator().manual_seed(9)
     plans = make_plans(tokens, top_k, experts, max_tokens, generator, False)
@@ -203,7 +208,7 @@ def _nvfp4_want(xs, plans, global_scale):
 def test_fused_nvfp4_dispatch_on_cpu(monkeypatch, tokens, hidden, skewed, dtype):
     """Quantizing in the send kernel delivers, bit for bit, the reference quantization of what
     a plain dispatch delivers, over calls of both parities (H = 192: a partial block tile)."""
-    _interpreter_with_runtime_loops(monkeypatch)
+    interpreter_with_runtime_loops(monkeypatch)
     max_tokens, top_k, experts = 8, 2, 8
     generator = torch.Generator().manual_seed(hidden + len(tokens))
     ranks = Ranks(len(tokens), max_tokens, tt.nvfp4_row_bytes(hidden), "cpu")
@@ -244,7 +249,7 @@ def test_fused_nvfp4_dispatch_bad_inputs_raise():
 
 @interpreted
 def test_missing_rank_times_out_and_is_named(monkeypatch):
-    _interpreter_with_runtime_loops(monkeypatch)
+    interpreter_with_runtime_loops(monkeypatch)
     generator = torch.Generator().manual_seed(4)
     plans = make_plans([3, 3], 2, 4, 4, generator, False)
     ranks = Ranks(2, 4, 16, "cpu")
@@ -252,10 +257,10 @@ def test_missing_rank_times_out_and_is_named(monkeypatch):
     status = torch.zeros(2, dtype=torch.int64)
     tt.triton_dispatch_rows(rows, plans[0], ranks.workspace["dispatch"],
                             call_counter=ranks.counters["dispatch"][0], status=status,
-                            check=False, timeout_spins=3, max_programs=2)  # rank 1 never comes
-    assert status.tolist() == [0, 1]  # source 1 timed out in call 0 (value call + 1)
-    with pytest.raises(tt.TransportTimeout, match=r"source rank\(s\) \[1\]"):
-        tt.raise_on_timeout(status, 0)
+                            check=False, config=TransportConfig(timeout_spins=3, max_programs=2))
+    assert status.tolist() == [0, 1]  # rank 1 never came: source 1 timed out in call 0 (+1)
+    with pytest.raises(TransportTimeout, match=r"source rank\(s\) \[1\]"):
+        raise_on_timeout(status, 0, "transport")
 
 
 def test_bad_inputs_raise():
@@ -282,6 +287,22 @@ def test_bad_inputs_raise():
     assert int(counter) == 0
 
 
+def test_configs_are_frozen_and_checked():
+    from a2a.config import PrepareConfig
+    config = TransportConfig()
+    assert not config.overlap and not config.fused_nvfp4_dispatch
+    assert config.max_programs == 256
+    assert config.nvfp4_launch.tile_elements == 8192 and config.nvfp4_launch.ptx is None
+    assert PrepareConfig().max_programs == 128
+    with pytest.raises(AttributeError):
+        config.overlap = True  # frozen: a knob is chosen at construction
+    for bad in (dict(max_programs=0), dict(timeout_spins=-1), dict(max_programs=2.5)):
+        with pytest.raises(ValueError, match="must be an int"):
+            TransportConfig(**bad)
+        with pytest.raises(ValueError, match="must be an int"):
+            PrepareConfig(**bad)
+
+
 def test_workspace_size():
     # flags [R, MAX_CHUNKS] int64 and the arrivals word padded to 128 bytes, then [R][2][N][B]
     # rows, rounded to 128.
@@ -296,8 +317,9 @@ def test_workspace_size():
 # ---------------------------------------------------------------------------------------------
 
 def simulate_ranks(kind, rows_per_rank, plans, ranks, statuses, max_programs,
-                   global_scale=None):
+                   global_scale=None, overlap=False):
     """Launch every rank's transfer on its own stream (check=False); return after a sync."""
+    config = TransportConfig(timeout_spins=1 << 24, max_programs=max_programs, overlap=overlap)
     move = _mover(kind, global_scale)
     kind = _state_kind(kind)
     streams = [torch.cuda.Stream() for _ in plans]
@@ -308,7 +330,7 @@ def simulate_ranks(kind, rows_per_rank, plans, ranks, statuses, max_programs,
         with torch.cuda.stream(streams[rank]):
             outs[rank] = move(rows_per_rank[rank], plan, ranks.workspace[kind],
                               call_counter=ranks.counters[kind][rank], status=statuses[rank],
-                              check=False, timeout_spins=1 << 24, max_programs=max_programs)
+                              check=False, config=config)
     torch.cuda.synchronize()
     return outs
 
@@ -323,14 +345,13 @@ GPU_CASES = [  # (R, N, k, E, H, max_programs): R * R * C spinning programs at m
 @pytest.mark.gpu
 @pytest.mark.parametrize("ep_size,max_tokens,top_k,experts,hidden,max_programs", GPU_CASES)
 @pytest.mark.parametrize("overlap", [False, True], ids=["two_kernels", "overlap"])
-def test_simulated_ranks_equal_reference_over_100_calls(monkeypatch, device, ep_size,
-                                                        max_tokens, top_k, experts, hidden,
-                                                        max_programs, overlap):
-    monkeypatch.setattr(tt, "OVERLAP", overlap)
+def test_simulated_ranks_equal_reference_over_100_calls(device, ep_size, max_tokens, top_k,
+                                                        experts, hidden, max_programs, overlap):
     generator = torch.Generator().manual_seed(ep_size * 100 + hidden)
     row_bytes = hidden * 2
-    tt.warmup(device, ep_size=ep_size, max_tokens_per_rank=max_tokens, row_bytes=row_bytes,
-              top_k=top_k, max_programs=max_programs)
+    tt.warmup_transport(device, ep_size=ep_size, max_tokens_per_rank=max_tokens,
+                        row_bytes=row_bytes, top_k=top_k,
+                        config=TransportConfig(max_programs=max_programs, overlap=overlap))
     ranks = Ranks(ep_size, max_tokens, row_bytes, device)
     statuses = [torch.zeros(ep_size, dtype=torch.int64, device=device) for _ in range(ep_size)]
     for call in range(100):  # fresh routing every call
@@ -341,12 +362,12 @@ def test_simulated_ranks_equal_reference_over_100_calls(monkeypatch, device, ep_
         xs = [torch.randn(t, hidden, generator=generator).to(torch.bfloat16).to(device)
               for t in tokens]
         got = simulate_ranks("dispatch", [x.view(torch.uint8) for x in xs], plans, ranks,
-                             statuses, max_programs)
+                             statuses, max_programs, overlap=overlap)
         want = ref.simulate_dispatch(xs, plans)
         outs = [torch.randn(max_tokens * ep_size, hidden, generator=generator)
                 .to(torch.bfloat16).to(device) for _ in range(ep_size)]
         scattered = simulate_ranks("combine", [o.view(torch.uint8) for o in outs], plans, ranks,
-                                   statuses, max_programs)
+                                   statuses, max_programs, overlap=overlap)
         combined_want = ref.simulate_combine(outs, plans)
         want_scattered = reference_scattered(outs, plans)
         for rank in range(ep_size):
@@ -381,7 +402,8 @@ def test_simulated_ranks_fused_nvfp4_dispatch(device, ep_size, max_tokens, hidde
     plan = _plan_to(make_plans([4], top_k, experts, max_tokens, generator, False)[0], device)
     tt.triton_dispatch_nvfp4(torch.zeros(4, hidden, dtype=torch.bfloat16, device=device),
                              global_scale, plan, warm.workspace["dispatch"],
-                             call_counter=warm.counters["dispatch"][0], max_programs=1)
+                             call_counter=warm.counters["dispatch"][0],
+                             config=TransportConfig(max_programs=1))
     for call in range(20):
         tokens = [int(torch.randint(0, max_tokens + 1, (1,), generator=generator))
                   for _ in range(ep_size)]
@@ -410,8 +432,8 @@ def test_cuda_graph_capture_and_replay(device):
     max_tokens, top_k, experts, hidden = 64, 4, 8, 256
     row_bytes = hidden * 2
     generator = torch.Generator().manual_seed(6)
-    tt.warmup(device, ep_size=1, max_tokens_per_rank=max_tokens, row_bytes=row_bytes,
-              top_k=top_k)
+    tt.warmup_transport(device, ep_size=1, max_tokens_per_rank=max_tokens, row_bytes=row_bytes,
+                        top_k=top_k)
     plan = _plan_to(make_plans([max_tokens], top_k, experts, max_tokens, generator, False)[0],
                     device)
     ranks = Ranks(1, max_tokens, row_bytes, device)
