@@ -16,7 +16,6 @@ Triton interprets (``TRITON_INTERPRET``, bench/cli.py) before anything imports t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -184,12 +183,6 @@ class Stage:
 # ---------------------------------------------------------------------------------------------
 # Helpers shared by the stages
 # ---------------------------------------------------------------------------------------------
-
-def load(module: str, name: str) -> Callable:
-    """``module.name``, imported when called. Only bench/transport.py still names the library
-    this way; the stages of this file import it directly."""
-    return getattr(importlib.import_module(module), name)
-
 
 def make_path(backend: str, factory: Callable[[], Callable[[], Any]], **kwargs) -> Path:
     """A :class:`Path` from ``factory() -> run``; an :class:`Unavailable` or the stage switch's
