@@ -22,9 +22,15 @@ from bench.runner import RunContext, run_stages
 from bench.stages import (CPU_QUICK_SWEEP, CPU_SWEEP, DEEPSEEK_SWEEP, DEFAULT_SWEEP, Path,
                           Stage, Sweep)
 from bench.targets import judge_targets
+from kernels.hardware import interpreting
 from tests.test_bench import BENCH_TIMEOUT_S, ROOT, run_bench
 
 CPU = torch.device("cpu")
+# The Triton chain on CPU tensors needs the interpreter; on a GPU machine (no TRITON_INTERPRET)
+# the gpu-marked tests below run it on the GPU instead.
+needs_interpreter = pytest.mark.skipif(
+    not interpreting(), reason="runs the Triton chain on CPU tensors, which needs "
+    "TRITON_INTERPRET=1 (set by conftest without a GPU); the gpu tests cover it here")
 # The interpreter's grid for these tests: one shape per payload (its middle token count, 5).
 TINY = Sweep(tokens=(3, 5, 9), hidden=(32,), experts=(16,), top_k=(4,), routing=("uniform",))
 
@@ -82,6 +88,7 @@ def cpu_rows() -> dict:
     return {(r["backend"], r["shape"]["payload"]): r for r in records}
 
 
+@needs_interpreter
 @pytest.mark.parametrize("payload", ["nvfp4", "bf16"])
 def test_cpu_rows_check_the_triton_chain_and_say_why_flashinfer_cannot_run(cpu_rows, payload):
     assert {backend for backend, p in cpu_rows if p == payload} == {
@@ -212,6 +219,7 @@ def test_replays_load_fresh_inputs_check_each_and_restore_the_originals():
     assert torch.equal(chain.logits, inputs["logits"])  # restored after a failure too
 
 
+@needs_interpreter
 def test_triton_chain_replays_eagerly_in_the_interpreter():
     from bench.decode import triton_steps
     shape = tiny_shape("bf16")
