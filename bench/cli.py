@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench import report  # noqa: E402
+from bench.decode import DECODE, DECODE_SWEEP  # noqa: E402
 from bench.runner import RunContext, add_speedups, run_stages  # noqa: E402
 from bench.stages import (CPU_QUICK_SWEEP, CPU_SWEEP, DEEPSEEK_SWEEP,  # noqa: E402
                           DEFAULT_SWEEP, QUICK_SWEEP, SINGLE_DEVICE_STAGES, TRANSPORT_SWEEP,
@@ -32,9 +33,11 @@ from bench.targets import judge_targets  # noqa: E402
 from bench.timing import measure_limits  # noqa: E402
 from bench.transport import DISTRIBUTED_STAGES, not_distributed_record  # noqa: E402
 
-ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + DISTRIBUTED_STAGES
+# The one-GPU stages (one per op, then the decode chain that strings them), then the cross-rank.
+ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + (DECODE,) + DISTRIBUTED_STAGES
 STAGE_NAMES = tuple(dict.fromkeys(s.name for s in ALL_STAGES))
-BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "torch", "torch_compile")
+BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "flashinfer_routing", "torch",
+                 "torch_compile")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 # Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.
@@ -42,7 +45,8 @@ PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=2)
 # --sweep NAME: (its grid on a GPU, its grid without one). Without a GPU every Triton kernel runs
 # in the interpreter, so every sweep but quick runs the same tiny CPU grid.
 SWEEPS = {"quick": (QUICK_SWEEP, CPU_QUICK_SWEEP), "default": (DEFAULT_SWEEP, CPU_SWEEP),
-          "deepseek": (DEEPSEEK_SWEEP, CPU_SWEEP), "transport": (TRANSPORT_SWEEP, CPU_SWEEP)}
+          "deepseek": (DEEPSEEK_SWEEP, CPU_SWEEP), "transport": (TRANSPORT_SWEEP, CPU_SWEEP),
+          "decode": (DECODE_SWEEP, CPU_SWEEP)}
 # Seconds of sweep on a GPU before no further shape starts: with start-up, the limits and the
 # shape running at the deadline, one call stays under about 8 minutes (the GPU calls that run
 # the bench are limited to 10). The default sweep is sized to finish well inside it.
@@ -50,11 +54,11 @@ DEFAULT_GPU_BUDGET_S = 400
 
 DESCRIPTION = """\
 Benchmark every stage of the MoE all-to-all (routing, prepare, quantize, permute, dispatch,
-combine) and the whole layer, for each backend that can run here: every path is first checked
-against the torch oracle on the same inputs, and only the paths that agree are timed. Reports
-time, GB/s (the bytes an ideal kernel moves) and the fraction of the HBM / NVLink bandwidth
-measured in the same run, in a terminal table and in JSON / Markdown / PNG files (and CSV with
---csv).
+combine), a decode step's one-GPU chain of them and the whole layer, for each backend that can
+run here: every path is first checked against the torch oracle on the same inputs, and only the
+paths that agree are timed. Reports time, GB/s (the bytes an ideal kernel moves) and the
+fraction of the HBM / NVLink bandwidth measured in the same run, in a terminal table and in
+JSON / Markdown / PNG files (and CSV with --csv).
 
 Without a GPU the Triton kernels run in Triton's interpreter on tiny shapes: the outputs are
 checked, but the timings mean nothing, and the options that need a GPU are listed at the start
@@ -79,6 +83,7 @@ EPILOG = f"""\
 examples:
   python -m bench                        all stages, the default sweep (until --budget)
   python -m bench --sweep deepseek       DeepSeek-V3 shapes only (fits one GPU call)
+  python -m bench --stages decode --sweep decode --targets   the decode chain, T 1 to 2048
   python -m bench --gpus 2               one process per GPU: adds dispatch, combine, layer
   python -m bench --stages quantize,routing --backends triton,flashinfer --quick
   python -m bench --stages permute --budget 400 --bundle --out results/p
@@ -165,7 +170,7 @@ def options_not_applied(args: argparse.Namespace, on_gpu: bool) -> list[str]:
     if on_gpu:
         return []
     ignored = []
-    if args.sweep in ("deepseek", "transport"):
+    if args.sweep in ("deepseek", "transport", "decode"):
         ignored.append(f"--sweep {args.sweep} (the interpreter runs the CPU grid instead)")
     if args.gpus > 1:
         ignored.append(f"--gpus {args.gpus} (no CUDA GPU: one process, the cross-rank stages "
@@ -222,7 +227,7 @@ def run_bench(args: argparse.Namespace, ctx: RunContext) -> list[dict]:
     if ctx.rank == 0:
         local = RunContext(device=ctx.device, gpu=ctx.gpu, world_size=ctx.world_size,
                            limits=ctx.limits, kernel_times=ctx.kernel_times)
-        single = [s for s in SINGLE_DEVICE_STAGES if s.name in args.stage_list]
+        single = [s for s in ALL_STAGES if not s.distributed and s.name in args.stage_list]
         records = run_stages(single, sweep, local, backends=args.backend_set,
                              progress=progress, deadline=args.deadline) + records
     return records

@@ -5,7 +5,8 @@ A record (one dict per stage, shape and backend) is the unit of the JSON and of 
 ``stage, backend, gpu, num_gpus, distributed, shape, dtype, time_us, p20_us, p80_us, std_us,
 bytes, local_bytes, remote_bytes, hbm_bytes, gbps, pct_of_limit, ok, note, timing`` (and, with
 ``--kernel-times``, ``kernels_us``: device time per call of each kernel the path launches,
-torch.profiler). ``distributed``: the stage runs one process per GPU (its shapes are per rank).
+torch.profiler; and the fields of a timed path's ``facts``, e.g. the decode chain's
+``launches``). ``distributed``: the stage runs one process per GPU (its shapes are per rank).
 ``gbps`` is the effective bandwidth (``bytes`` / time); ``pct_of_limit`` compares the HBM
 minimum (``hbm_bytes``: differs from ``local_bytes`` only where a formula reads the same rows
 several times, e.g. gather_rows) and the remote bytes with the measured limits. ``ok`` is
@@ -241,6 +242,16 @@ def _run_path(stage: Stage, shape: dict, ctx: RunContext, inputs: dict, path: Pa
         return record(ok=False, note=f"timing failed: {brief_error(error)}")
     note = "; ".join(part for part in (note, path.timed, timing.remark) if part)
     row = record(ok=True, note=note, timing=timing)
+    if path.facts is not None:
+        try:
+            facts = path.facts()
+        except Exception as error:  # noqa: BLE001 - extra fields; the timed row stands
+            facts = {}
+            row["note"] = "; ".join(p for p in (row["note"], f"facts failed: "
+                                                f"{brief_error(error)}") if p)
+        row.update(facts)
+        row["note"] = "; ".join(p for p in [row["note"]] + [
+            f"{key}: {value}" for key, value in facts.items() if value is not None] if p)
     if ctx.kernel_times and not ctx.interpreter and path.before is None and path.after is None:
         try:
             with torch.cuda.device(ctx.device):

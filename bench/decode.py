@@ -1,0 +1,496 @@
+"""The ``decode`` stage: one rank's whole single-GPU decode step, timed as one CUDA graph.
+
+The chain, on DeepSeek-R1-FP4 shapes on a GPU (E=256 experts, k=8, 8 expert groups keep 4,
+routed scaling 2.5, H=7168, x bf16; the interpreter runs tiny ones, :class:`DecodeStage`)::
+
+    route_topk(logits [T, E] fp32, "deepseek_v3")     -> topk_ids [T, k] int32, weights [T, k] fp32
+    local_send_plan(topk_ids, E, ep_size)            -> LocalSendPlan (who sends what where)
+    nvfp4_global_scale(x), quantize_nvfp4(x, gs)     -> packed [T, H/2] uint8, scales [T, H/16]
+    permute_by_expert(topk_ids, E)                   -> Permutation, P = T*k permuted rows
+    gather_rows(packed, source_rows, scales=scales)  -> [P, H/2] uint8, [P, H/16] uint8
+        (payload "nvfp4": the rows a receiving rank hands its grouped GEMM), or
+    gather_rows(x, source_rows)                      -> [P, H] bf16   (payload "bf16")
+    unpermute_and_reduce(expert_out [P, H] bf16, permutation, weights) -> [T, H] bf16
+
+``expert_out`` is a stand-in for the expert GEMMs' output (fixed random bf16 rows): the chain is
+everything around the experts. ``ep_size = 1`` (the shape's ``R``) models a rank that owns every
+expert: its send plan sends every token to itself, so the transport between the quantize and the
+permutation is the identity and the receiving rank's inputs are this rank's own ids and
+quantized rows. The plan is still computed (and checked), as every EP step computes it. With
+the ``bf16`` payload the sender still quantizes and the receiver gathers the bf16 rows instead
+(what a bf16 dispatch delivers): the chain as it was first timed, which the T=2048 target keeps
+(bench/targets.py).
+
+Paths (rows): ``triton`` (every op with ``backend="triton"`` and every check that reads the
+device turned off, ``check_ids=False``: no host sync, so a CUDA graph captures the whole chain),
+``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
+step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
+permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
+``kernels.reference``, step by step).
+
+Checks: a path's routing against the oracle's (ids exactly, weights with the routing tolerance;
+FlashInfer's ids may differ on near-ties), then every later step against the oracle run on that
+path's own routing (ids, plan, permutation and NVFP4 bits exactly, the output with the tolerance
+table). On a GPU the chain is then captured in a CUDA graph and :data:`REPLAY_CHECKS` replays are
+checked, each after new logits and activations are copied into the captured input buffers
+(:func:`check_replays`), before the runner times it. Each row also records ``launches``: the
+device activities (kernels, copies, memsets) one call of the chain makes, counted with
+torch.profiler on a GPU.
+
+The library is imported inside the functions (bench/stages.py says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from bench.near_ties import MAX_NEAR_TIE_ROWS
+from bench.stages import (DEEPSEEK_GROUPS, DEEPSEEK_SCALING, DEEPSEEK_TOPK_GROUPS, PERMUTE,
+                          PREPARE, QUANTIZE, ROUTING, ROUTING_WEIGHT_TOL, Path, Stage, Sweep,
+                          assert_same, check_routing_near_ties, generator,
+                          make_path, stage_backend)
+
+# DeepSeek-R1-FP4's dimensions: the chain's shape on every GPU sweep (DecodeStage).
+DEEPSEEK_R1 = {"hidden": 7168, "experts": 256, "top_k": 8}
+# Token counts of the decode sweep (--sweep decode): decode batches per rank, 1 to 2048.
+DECODE_TOKENS = (1, 16, 64, 256, 2048)
+DECODE_SWEEP = Sweep(tokens=DECODE_TOKENS, hidden=(DEEPSEEK_R1["hidden"],),
+                     experts=(DEEPSEEK_R1["experts"],), top_k=(DEEPSEEK_R1["top_k"],),
+                     routing=("uniform",), extra_shapes=True)
+# Ranks of the expert-parallel group the chain models (see the module docstring).
+DECODE_EP_SIZE = 1
+PAYLOADS = ("nvfp4", "bf16")
+# CUDA-graph replays checked against the oracle, each with fresh inputs, before the timing.
+REPLAY_CHECKS = 10
+# Calls of the chain profiled to count its launches (after one warm call).
+LAUNCH_COUNT_CALLS = 3
+# Salts of bench.stages.generator: the stage's inputs, then replay r's fresh inputs (SALT + r).
+INPUT_SALT = 40
+ROUTING_METHOD = "deepseek_v3"
+# The token counts whose chain time has a target (bench/targets.py).
+TARGET_TOKENS = (16, 64, 256, 2048)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chain
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeOutputs:
+    """Every step's result of one call of the chain (shapes as in the module docstring).
+
+    ``gathered`` is ``(packed rows [P, H/2], their scales [P, H/16])`` for the ``nvfp4``
+    payload and ``(bf16 rows [P, H],)`` for ``bf16``."""
+
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    plan: Any                   # kernels.types.LocalSendPlan
+    global_scale: torch.Tensor
+    packed: torch.Tensor
+    scales: torch.Tensor
+    permutation: Any            # kernels.types.Permutation
+    gathered: tuple
+    out: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChainSteps:
+    """The seven ops of the chain, each a function with the signature of its oracle in
+    ``kernels.reference`` (options such as ``backend=`` and ``check_ids=`` already bound)."""
+
+    route: Callable
+    plan: Callable
+    global_scale: Callable
+    quantize: Callable
+    permute: Callable
+    gather: Callable
+    unpermute: Callable
+
+
+def oracle_steps() -> ChainSteps:
+    """The plain-torch oracle of every step (``kernels.reference``)."""
+    from kernels import reference
+    return ChainSteps(route=reference.route_topk, plan=reference.local_send_plan,
+                      global_scale=reference.nvfp4_global_scale,
+                      quantize=reference.quantize_nvfp4, permute=reference.permute_by_expert,
+                      gather=reference.gather_rows, unpermute=reference.unpermute_and_reduce)
+
+
+def triton_steps(routing_backend: str = "triton") -> ChainSteps:
+    """Every step on ``backend="triton"`` with its device-read checks off (no host sync), the
+    routing on ``routing_backend`` ("triton" or "flashinfer"). The local send plan has no
+    stage function (it is a plain kernel, as the ``prepare`` stage notes): its launcher is
+    called directly."""
+    from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce
+    from a2a.quantize import nvfp4_global_scale, quantize_nvfp4
+    from a2a.routing import route_topk
+    from kernels.prepare import local_send_plan
+    return ChainSteps(
+        route=functools.partial(route_topk, backend=routing_backend),
+        plan=functools.partial(local_send_plan, check_ids=False),
+        global_scale=functools.partial(nvfp4_global_scale, backend="triton"),
+        quantize=functools.partial(quantize_nvfp4, backend="triton"),
+        permute=functools.partial(permute_by_expert, check_ids=False, backend="triton"),
+        gather=functools.partial(gather_rows, backend="triton"),
+        unpermute=functools.partial(unpermute_and_reduce, backend="triton"))
+
+
+def routing_options(bias: torch.Tensor) -> dict:
+    """DeepSeek-V3's routing options: the selection bias [E] fp32, 8 groups keep 4, 2.5."""
+    return dict(bias=bias, num_groups=DEEPSEEK_GROUPS, topk_groups=DEEPSEEK_TOPK_GROUPS,
+                routed_scaling=DEEPSEEK_SCALING)
+
+
+def after_routing(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, x: torch.Tensor, expert_out: torch.Tensor,
+                  quantized: Optional[tuple] = None) -> DecodeOutputs:
+    """The chain's steps after the routing, on the given routing; ``quantized`` (global scale,
+    packed, scales) reuses a quantization of ``x`` instead of computing it again."""
+    k, experts = shape["top_k"], shape["experts"]
+    plan = steps.plan(topk_ids, experts, shape["ep_size"], max_tokens_per_rank=shape["tokens"])
+    if quantized is None:
+        global_scale = steps.global_scale(x)
+        packed, scales = steps.quantize(x, global_scale)
+    else:
+        global_scale, packed, scales = quantized
+    permutation = steps.permute(topk_ids, experts)
+    if shape["payload"] == "nvfp4":
+        gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales, top_k=k))
+    else:
+        gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
+    out = steps.unpermute(expert_out, permutation, topk_weights)
+    return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
+                         permutation, gathered, out)
+
+
+def run_chain(steps: ChainSteps, shape: dict, logits: torch.Tensor, bias: torch.Tensor,
+              x: torch.Tensor, expert_out: torch.Tensor) -> DecodeOutputs:
+    """One call of the whole chain (the module docstring lists its steps)."""
+    topk_ids, topk_weights = steps.route(logits, shape["top_k"], ROUTING_METHOD,
+                                         **routing_options(bias))
+    return after_routing(steps, shape, topk_ids, topk_weights, x, expert_out)
+
+
+class DecodeChain:
+    """The chain on input buffers of its own: ``logits`` [T, E] fp32 and ``x`` [T, H] bf16 are
+    copies that :meth:`load` overwrites in place, so that a CUDA graph captured from a call
+    replays on whatever was loaded last. ``bias`` and ``expert_out`` are read-only and shared."""
+
+    def __init__(self, steps: ChainSteps, inputs: dict, shape: dict):
+        self.steps, self.shape = steps, shape
+        self.logits = inputs["logits"].clone()
+        self.x = inputs["x"].clone()
+        self.bias = inputs["options"]["bias"]
+        self.expert_out = inputs["expert_out"]
+
+    def __call__(self) -> DecodeOutputs:
+        return run_chain(self.steps, self.shape, self.logits, self.bias, self.x,
+                         self.expert_out)
+
+    def load(self, logits: torch.Tensor, x: torch.Tensor) -> None:
+        """Copy new inputs into the buffers every call (and every captured graph) reads."""
+        self.logits.copy_(logits)
+        self.x.copy_(x)
+
+
+def oracle_chain(inputs: dict, shape: dict) -> DecodeOutputs:
+    """The oracle's outputs of the chain on ``inputs`` (logits, options, x, expert_out)."""
+    return run_chain(oracle_steps(), shape, inputs["logits"], inputs["options"]["bias"],
+                     inputs["x"], inputs["expert_out"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, check, launches
+# ---------------------------------------------------------------------------------------------
+
+def permuted_rows(shape: dict) -> int:
+    """P = T*k: every pair is owned (one rank holds every expert), no alignment padding."""
+    return shape["tokens"] * shape["top_k"]
+
+
+def routing_and_activations(shape: dict, device: torch.device, salt: int) -> dict:
+    """Router logits [T, E] fp32 and activations x [T, H] bf16, standard normal, drawn from
+    ``bench.stages.generator(device, salt)``: the same for the same salt."""
+    gen = generator(device, salt)
+    logits = torch.randn(shape["tokens"], shape["experts"], generator=gen, device=device,
+                         dtype=torch.float32)
+    x = torch.randn(shape["tokens"], shape["hidden"], generator=gen, device=device,
+                    dtype=torch.float32).to(torch.bfloat16)
+    return dict(logits=logits, x=x)
+
+
+def decode_inputs(shape: dict, device: torch.device, ctx=None) -> dict:
+    """The stage's inputs: ``logits``, ``x`` (:func:`routing_and_activations`), the routing
+    ``options`` (bias [E] fp32 of 0.1 * normal), and the stand-in expert output
+    ``expert_out`` [P, H] bf16."""
+    inputs = routing_and_activations(shape, device, INPUT_SALT)
+    gen = generator(device, INPUT_SALT - 1)
+    bias = 0.1 * torch.randn(shape["experts"], generator=gen, device=device,
+                             dtype=torch.float32)
+    expert_out = torch.randn(permuted_rows(shape), shape["hidden"], generator=gen,
+                             device=device, dtype=torch.float32).to(torch.bfloat16)
+    return dict(inputs, options=routing_options(bias), expert_out=expert_out)
+
+
+def replay_inputs(inputs: dict, shape: dict, replay: int) -> dict:
+    """``inputs`` with fresh logits and activations for replay number ``replay`` (1, 2, ...)."""
+    fresh = routing_and_activations(shape, inputs["x"].device, INPUT_SALT + replay)
+    return dict(inputs, **fresh)
+
+
+def check_chain(out: DecodeOutputs, ref: DecodeOutputs, inputs: dict, shape: dict, *,
+                near_ties: bool = False, near_tie_rows: Optional[float] = None) -> str:
+    """Raise AssertionError naming the first step whose output differs from the oracle's.
+
+    The routing is compared with the oracle's ``ref`` (ids exactly, weights with the routing
+    tolerance; ``near_ties``: FlashInfer's rule, ids may differ on near-tied rows, in at most
+    ``near_tie_rows`` rows when given, else 0.1% of them), every
+    later step with the oracle run on this path's own routing: the plan, the permutation, the
+    global scale, the NVFP4 codes and scales and the gathered rows exactly, the reduced output
+    with the tolerance table. Returns a remark for the row's note ("" when there is none)."""
+    remark = ""
+    if near_ties:
+        remark = check_routing_near_ties((out.topk_ids, out.topk_weights),
+                                         (ref.topk_ids, ref.topk_weights), inputs, shape,
+                                         allowed_rows=near_tie_rows)
+    else:
+        assert_same(out.topk_ids, ref.topk_ids, what="topk_ids")
+        assert_same(out.topk_weights, ref.topk_weights, what="topk_weights",
+                    tol=ROUTING_WEIGHT_TOL)
+    same_routing = (torch.equal(out.topk_ids, ref.topk_ids)
+                    and torch.equal(out.topk_weights, ref.topk_weights))
+    if same_routing:
+        expected = ref
+    else:  # the oracle's later steps on this path's routing, on the oracle's quantization
+        expected = after_routing(oracle_steps(), shape, out.topk_ids, out.topk_weights,
+                                 inputs["x"], inputs["expert_out"],
+                                 quantized=(ref.global_scale, ref.packed, ref.scales))
+    assert_same(out.plan, expected.plan, what="plan")
+    assert_same(out.global_scale, expected.global_scale, what="global_scale",
+                tol=dict(atol=0.0, rtol=0.0))
+    assert_same(out.packed, expected.packed, what="packed")
+    assert_same(out.scales, expected.scales, what="scales")
+    assert_same(out.permutation, expected.permutation, what="permutation")
+    assert_same(out.gathered, expected.gathered, what=f"gathered {shape['payload']} rows")
+    assert_same(out.out, expected.out, what="out")
+    return remark
+
+
+def capture(chain: DecodeChain) -> tuple["torch.cuda.CUDAGraph", DecodeOutputs]:
+    """A CUDA graph of one call of ``chain`` and the outputs that every replay rewrites (after
+    one warm-up call on a side stream, as torch's graph capture asks)."""
+    device = chain.x.device
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        outputs = chain()
+    return cuda_graph, outputs
+
+
+def graph_replayer(chain: DecodeChain) -> Callable[[], DecodeOutputs]:
+    """``run()``: replay a CUDA graph of ``chain`` (captured here) and return its outputs."""
+    cuda_graph, outputs = capture(chain)
+
+    def run() -> DecodeOutputs:
+        cuda_graph.replay()
+        return outputs
+    return run
+
+
+def other_id_sets(out: DecodeOutputs, ref: DecodeOutputs) -> int:
+    """Tokens whose set of expert ids differs between ``out`` and ``ref``."""
+    return int((out.topk_ids.long().sort(dim=1).values
+                != ref.topk_ids.long().sort(dim=1).values).any(dim=1).sum())
+
+
+def check_replays(chain: DecodeChain, run: Callable[[], DecodeOutputs], inputs: dict,
+                  replays: int, *, near_ties: bool = False) -> int:
+    """Check ``replays`` calls of ``run`` (e.g. :func:`graph_replayer`'s replays), each after
+    fresh logits and activations (:func:`replay_inputs`) are loaded into ``chain``, against the
+    oracle on those inputs (:func:`check_chain`); AssertionError names the replay. With
+    ``near_ties`` the 0.1% of rows that may pick another id set on a near-tie are counted over
+    all the replays' rows together (one such row at T=16 is not 0.1% of one replay). ``chain``'s
+    buffers hold ``inputs`` again afterwards. Returns the number of rows that picked another
+    id set (0 unless ``near_ties``)."""
+    allowance = MAX_NEAR_TIE_ROWS * replays * chain.shape["tokens"]
+    other_sets = 0
+    try:
+        for replay in range(1, replays + 1):
+            fresh = replay_inputs(inputs, chain.shape, replay)
+            chain.load(fresh["logits"], fresh["x"])
+            out = run()
+            ref = oracle_chain(fresh, chain.shape)
+            try:
+                check_chain(out, ref, fresh, chain.shape, near_ties=near_ties,
+                            near_tie_rows=allowance - other_sets)
+            except AssertionError as error:
+                raise AssertionError(f"replay {replay} of {replays} (fresh routing): "
+                                     f"{error}") from None
+            other_sets += other_id_sets(out, ref)
+    finally:
+        chain.load(inputs["logits"], inputs["x"])
+    return other_sets
+
+
+def count_launches(fn: Callable[[], Any], device: torch.device,
+                   calls: int = LAUNCH_COUNT_CALLS) -> Optional[int]:
+    """Device activities (kernels, copies, memsets) per call of ``fn``: torch.profiler over
+    ``calls`` calls after one warm call. None off a GPU (the interpreter launches nothing)."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    with torch.cuda.device(device):
+        fn()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize(device)
+    launched = sum(event.device_type == DeviceType.CUDA for event in trace.events())
+    return round(launched / calls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths, bytes, the stage
+# ---------------------------------------------------------------------------------------------
+
+def flashinfer_reason(device: torch.device) -> str:
+    """Why the whole chain cannot run on FlashInfer here: the switch's reason for each step it
+    lacks (the permutation always; the global scale always; the quantizer below SM100)."""
+    from a2a.backends import why_unavailable
+    steps = (("routing", "routing", {"method": ROUTING_METHOD}),
+             ("global scale", "quantize", {"op": "global_scale"}),
+             ("NVFP4 quantize", "quantize", {}),
+             ("permutation", "permute", {}))
+    reasons = [f"{name}: {why}" for name, stage, context in steps
+               if (why := why_unavailable(stage, "flashinfer", device, **context)) is not None]
+    return ("not available: FlashInfer has no standalone permutation, so the chain cannot run on "
+            "FlashInfer alone (what it lacks here, step by step: " + "; ".join(reasons) + ")")
+
+
+def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
+    device = inputs["x"].device
+
+    def chain_path(backend: str, routing_backend: str, timed: str) -> Path:
+        holder: dict = {}
+
+        def factory():
+            stage_backend("routing", routing_backend, device, method=ROUTING_METHOD)
+            for stage in ("quantize", "permute"):
+                stage_backend(stage, "triton", device)
+            holder["chain"] = DecodeChain(triton_steps(routing_backend), inputs, shape)
+            return holder["chain"]
+
+        near_ties = routing_backend == "flashinfer"
+
+        def check(out, ref, checked_inputs, checked_shape) -> str:
+            remark = check_chain(out, ref, checked_inputs, checked_shape, near_ties=near_ties)
+            if device.type != "cuda":
+                return remark  # no CUDA graph in the interpreter
+            chain = holder["chain"]
+            near = check_replays(chain, graph_replayer(chain), inputs, REPLAY_CHECKS,
+                                 near_ties=near_ties)
+            replays = f"{REPLAY_CHECKS} CUDA-graph replays checked with fresh routing"
+            if near:
+                replays += f" ({near} near-tie row(s) picked another id set)"
+            return "; ".join(part for part in (remark, replays) if part)
+
+        path = make_path(backend, factory, capture_safe=True, timed=timed, check=check)
+        if path.run is None:
+            return path
+        return dataclasses.replace(
+            path, facts=lambda: {"launches": count_launches(path.run, device)})
+
+    oracle = make_path("torch", lambda: lambda: oracle_chain(inputs, shape))
+    oracle = dataclasses.replace(
+        oracle, facts=lambda: {"launches": count_launches(oracle.run, device)})
+    return [chain_path("triton", "triton", "timed: the whole chain, Triton, check_ids=False"),
+            chain_path("flashinfer_routing", "flashinfer",
+                       "timed: the chain with FlashInfer's fused_topk_deepseek as its routing "
+                       "step, the other steps Triton"),
+            Path("flashinfer", reason=flashinfer_reason(device)),
+            oracle]
+
+
+def gather_bytes(tokens: int, rows: int, row_bytes: int) -> dict:
+    """The bytes of gathering ``rows`` rows of ``row_bytes`` bytes out of ``tokens`` rows, with
+    an int32 index per row: effective (read and write every row, ``local``) and the HBM minimum
+    (each source row read once, ``hbm_local``), as the permute stage counts its gather."""
+    return {"local": 2 * rows * row_bytes + 4 * rows,
+            "hbm_local": tokens * row_bytes + rows * row_bytes + 4 * rows}
+
+
+def step_bytes(shape: dict) -> dict[str, dict]:
+    """Each step's bytes, by the formula of the stage that times it alone (bench/stages.py);
+    the gather of packed NVFP4 rows by :func:`gather_bytes` (its codes and scales, one index
+    read for both)."""
+    t, h, e, k = shape["tokens"], shape["hidden"], shape["experts"], shape["top_k"]
+    dims = dict(tokens=t, hidden=h, experts=e, top_k=k)
+    pairs = permuted_rows(shape)
+    if shape["payload"] == "nvfp4":
+        gather = gather_bytes(t, pairs, h // 2 + h // 16)
+    else:
+        gather = PERMUTE.traffic(dict(dims, op="gather_rows"))
+    return {
+        "route_topk": ROUTING.traffic(dict(dims, method=ROUTING_METHOD)),
+        "local_send_plan": PREPARE.traffic(dict(dims, ep_size=shape["ep_size"])),
+        "nvfp4_global_scale": QUANTIZE.traffic(dict(dims, op="global_scale")),
+        "quantize_nvfp4": QUANTIZE.traffic(dict(dims, op="nvfp4_linear")),
+        "permute_by_expert": PERMUTE.traffic(dict(dims, op="permute_by_expert")),
+        "gather_rows": gather,
+        "unpermute_and_reduce": PERMUTE.traffic(dict(dims, op="unpermute_and_reduce")),
+    }
+
+
+def decode_traffic(shape: dict, inputs=None) -> dict:
+    """The chain's bytes: the sum of its steps' (:func:`step_bytes`), each step reading its
+    inputs from and writing its outputs to memory; ``hbm_local`` counts the gather's source
+    rows once."""
+    steps = step_bytes(shape).values()
+    return {"local": sum(s["local"] for s in steps),
+            "hbm_local": sum(s.get("hbm_local", s["local"]) for s in steps)}
+
+
+def deepseek_routable(shape: dict) -> bool:
+    """DeepSeek-V3 routing with 8 groups keeping 4 can pick k experts among E."""
+    per_group = shape["experts"] // DEEPSEEK_GROUPS
+    return (shape["experts"] % DEEPSEEK_GROUPS == 0 and per_group >= 2
+            and DEEPSEEK_TOPK_GROUPS * per_group >= shape["top_k"])
+
+
+@dataclass(frozen=True)
+class DecodeStage(Stage):
+    """A :class:`Stage` on one set of dimensions per sweep. A sweep with DeepSeek-R1's hidden
+    size (every GPU sweep) gives DeepSeek-R1's dimensions (:data:`DEEPSEEK_R1`) at each of its
+    token counts; any other (the interpreter's grids) its smallest dimensions at its middle
+    token count only: one call of the chain takes seconds in the interpreter (most of it in
+    ``nvfp4_global_scale``, whose reduction the interpreter runs element by element)."""
+
+    def shapes(self, sweep: Sweep) -> list[dict]:
+        if DEEPSEEK_R1["hidden"] in sweep.hidden:
+            dims = {key: (value,) for key, value in DEEPSEEK_R1.items()}
+        else:
+            dims = {key: (min(sweep.values(key)),) for key in DEEPSEEK_R1}
+            dims["tokens"] = (sorted(sweep.tokens)[len(sweep.tokens) // 2],)
+        return super().shapes(dataclasses.replace(sweep, **dims))
+
+
+DECODE = DecodeStage(
+    name="decode", keys=("tokens", "hidden", "experts", "top_k"),
+    variants=tuple({"payload": payload, "ep_size": DECODE_EP_SIZE} for payload in PAYLOADS),
+    valid=deepseek_routable,
+    extra=lambda: [dict(payload=payload, ep_size=DECODE_EP_SIZE, tokens=t, **DEEPSEEK_R1)
+                   for t in TARGET_TOKENS for payload in PAYLOADS],
+    build=decode_inputs, paths=decode_paths,
+    check=check_chain, traffic=decode_traffic, dtype=lambda shape: "bf16", graph=True)
