@@ -160,9 +160,9 @@ def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str,
     return call
 
 
-# DeepSeek-V3 routing is timed at every token count of the target (<= 0.9x FlashInfer's
-# fused_topk_deepseek): one row per program below 1024 tokens, so these time the latency of one
-# program's chain; 8192 its throughput.
+# DeepSeek-V3 routing is timed beside FlashInfer's fused_topk_deepseek from 1 to 8192 tokens:
+# one row per program up to 1024 tokens, so the small counts time the latency of one program's
+# chain of reductions, 8192 the throughput.
 ROUTING_TOKENS = (1, 16, 64, 128, 512, 2048, 8192)
 
 
@@ -235,9 +235,10 @@ def permute_variants(num_pairs: int) -> list:
               K.PermuteLaunch(form="single", single_warps=8, single_programs=256),
               K.PermuteLaunch(form="single", single_warps=8, single_fill=8192)]
     three = [K.PermuteLaunch(form="three_pass"),
-             K.PermuteLaunch(form="three_pass", block_pairs=128),
-             K.PermuteLaunch(form="three_pass", block_pairs=128, place_warps=4),
-             K.PermuteLaunch(form="three_pass", scan_blocks=256, expert_chunk=8),
+             K.PermuteLaunch(form="three_pass", block_pairs=256),
+             K.PermuteLaunch(form="three_pass", place_warps=4),
+             K.PermuteLaunch(form="three_pass", scan_blocks=512, expert_chunk=4),
+             K.PermuteLaunch(form="three_pass", scan_blocks=128, expert_chunk=32),
              K.ONEHOT_PERMUTE]
     return [None] + (single if num_pairs <= PERMUTE_SINGLE_MAX_TIMED else []) + three
 

@@ -61,9 +61,13 @@ class PermuteLaunch:
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
     Three-pass form:
-        block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 256 blocks of 256).
-        scan_blocks, expert_chunk: pass 2's tile [scan_blocks, expert_chunk] (one program per
-            chunk of experts, down the blocks in steps of scan_blocks).
+        block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
+            pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
+            which 256 pairs overflows into spills).
+        scan_blocks, expert_chunk: pass 2's tile [scan_blocks, expert_chunk]: one program per
+            chunk of experts (32 for E_local=256), down the blocks in steps of scan_blocks (one
+            step at T=8192, k=8); 4 warps hold 4096 values without spilling, 8192 not.
+            expert_chunk is also the chunk of RANK_ONEHOT's tile.
         place_warps: warps per program of pass 3.
         place_rank: ``RANK_COMPARE`` ([block, block] compare) or ``RANK_ONEHOT``.
     """
@@ -73,9 +77,9 @@ class PermuteLaunch:
     single_programs: int = 128
     single_warps: int = 4
     single_fill: int = 2048
-    block_pairs: int = 256
-    scan_blocks: int = 128
-    expert_chunk: int = 32
+    block_pairs: int = 128
+    scan_blocks: int = 512
+    expert_chunk: int = 8
     place_warps: int = 8
     place_rank: int = RANK_COMPARE
 
@@ -92,8 +96,10 @@ class PermuteLaunch:
 
 FORMS = ("single", "three_pass")
 DEFAULT_PERMUTE = PermuteLaunch()
-# The three-pass form as it was before the one-launch form (one-hot ranks in pass 3).
-ONEHOT_PERMUTE = PermuteLaunch(form="three_pass", place_rank=RANK_ONEHOT)
+# The three-pass form as it was before the one-launch form (one-hot ranks in pass 3, blocks of
+# 256 pairs, pass 2 on [128, 32] tiles).
+ONEHOT_PERMUTE = PermuteLaunch(form="three_pass", place_rank=RANK_ONEHOT, block_pairs=256,
+                               scan_blocks=128, expert_chunk=32)
 
 
 def histogram_bins(num_local_experts: int) -> int:
@@ -203,7 +209,7 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
 # The three-pass form
 # =============================================================================================
 #
-# Worked example (BLOCK_PAIRS = 4 here for the picture; 256 in the launcher):
+# Worked example (BLOCK_PAIRS = 4 here for the picture; 128 by default):
 #   topk_ids = [[2, 0], [2, 1], [0, 2], [5, 0]]  (T=4, k=2), num_experts = 6, first_expert = 0,
 #   E_local = 3 (id 5 is another rank's), align = 2, so P = 8 + 3*1 = 11.
 #   flat pairs  0  1  2  3 | 4  5  6  7

@@ -120,11 +120,12 @@ class RoutingLaunch:
     compact: int = COMPACT_NONE
     keys: int = KEYS_SPLIT32
     group_select: int = GROUP_COUNT
-    weights_from: int = 0  # WEIGHTS_RELOAD
+    weights_from: int = WEIGHTS_RELOAD
 
 
 DEFAULT_ROUTING = RoutingLaunch()
-# The form before the int32 rounds: kept so that bench.tune times it beside the default.
+# The earlier kernel's int64 rounds for the experts and the groups: kept so that bench.tune
+# times them beside the default.
 PACKED64_ROUTING = RoutingLaunch(keys=KEYS_PACKED64, group_select=GROUP_ROUNDS)
 
 
