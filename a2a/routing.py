@@ -72,11 +72,11 @@ def route_topk_flashinfer(logits: torch.Tensor, top_k: int, method: str, *, bias
 
     NaN (a NaN logit or bias; this face does not rewrite them, which would cost a kernel per
     call): the kernel compares cub's order-preserving image of the float bits, in which the
-    GPU's NaN (0x7FFFFFFF, positive) lies above +inf, so a NaN biased score ranks first, ties
-    among NaNs to the smaller id, and a group whose top two hold a NaN has a NaN score and is
-    kept first. Every weight of a row that chose a NaN is NaN (the sum is NaN), with the bits
-    the GPU produced (not ``NAN_WEIGHT_BITS``). The torch and Triton faces rank NaN lowest
-    instead. Route NaN-free logits here, or use backend='triton' for the defined order.
+    GPU's NaN (0x7FFFFFFF, positive) lies above +inf, so a NaN biased score ranks first (ties
+    among NaNs to the smaller id), a group holding one has it among its top two, hence a NaN
+    score, and is kept first. Every weight of a row that chose a NaN is NaN (their sum is NaN),
+    with the bits the GPU produced (not ``NAN_WEIGHT_BITS``). The torch and Triton faces rank
+    NaN lowest instead. Route NaN-free logits here, or use backend='triton' for that order.
     """
     num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
                                                  topk_groups, routed_scaling)

@@ -6,8 +6,7 @@ The launch rules of the quantize, routing and permute kernels are frozen launch 
 as ``launch=``. This tool passes each variant in turn, checks its output bit for bit against
 the torch oracle (routing: the ids), and times it the way ``python -m bench`` times that stage
 (CUDA-graph replay; quantize with an L2 flush before each call), next to FlashInfer where it
-has the op. The committed
-defaults are the best rows of such a run, and the JSON it writes
+has the op. Defaults are chosen from the rows of such a run, and the JSON it writes
 (``bench/results/tune-<gpu>-<time>.json``) is the record of that choice. The NVFP4 case also
 times ``bench.floor`` (the same bytes read and written with no arithmetic), the yardstick for
 how close the quantizer is to the memory system's limit for its traffic. Flushed cases are also

@@ -36,6 +36,14 @@ def random_ids(num_tokens, top_k, num_experts, device, *, padding=True) -> torch
 # permute_by_expert
 # ---------------------------------------------------------------------------------------------
 
+def launch_id(launch) -> str:
+    """The fields of a PermuteLaunch that differ from the defaults (a test id)."""
+    default = triton_permute.PermuteLaunch()
+    changed = [f"{name}={value}" for name, value in vars(launch).items()
+               if value != getattr(default, name)]
+    return ",".join(changed) or "default"
+
+
 SINGLE = triton_permute.PermuteLaunch(form="single")
 THREE_PASS = triton_permute.PermuteLaunch(form="three_pass")
 FORMS = {"rule": triton_permute.DEFAULT_PERMUTE, "single": SINGLE, "three_pass": THREE_PASS}
@@ -113,7 +121,7 @@ LAUNCH_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=str)
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=launch_id)
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align", [
     (37, 8, 60, 0, None, 16), (150, 4, 256, 64, 128, 3), (5, 8, 384, 0, None, 128),
     (3, 2, 8, 0, None, 1500)])
@@ -362,7 +370,7 @@ def test_permute_gpu_matches_oracle_and_repeats(device, seed, num_tokens, first_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", [SINGLE, THREE_PASS] + LAUNCH_VARIANTS, ids=str)
+@pytest.mark.parametrize("launch", [SINGLE, THREE_PASS] + LAUNCH_VARIANTS, ids=launch_id)
 @pytest.mark.parametrize("num_tokens, align", [(1, 128), (64, 1), (256, 128), (1024, 16)])
 def test_permute_gpu_forms_match_oracle_and_repeat(device, seed, launch, num_tokens, align):
     """Every form and knob the sweep may pick, exact, and 100 runs bit-identical."""
