@@ -229,10 +229,11 @@ def permute_variants(num_pairs: int) -> list:
     the one-launch form (one-hot ranks)."""
     from kernels import permute as K
     single = [K.PermuteLaunch(form="single"),
-              K.PermuteLaunch(form="single", single_warps=8),
-              K.PermuteLaunch(form="single", single_warps=8, single_programs=64),
-              K.PermuteLaunch(form="single", single_warps=8, single_programs=256),
-              K.PermuteLaunch(form="single", single_warps=8, single_fill=8192)]
+              K.PermuteLaunch(form="single", single_warps=4),
+              K.PermuteLaunch(form="single", single_warps=16),
+              K.PermuteLaunch(form="single", single_programs=64),
+              K.PermuteLaunch(form="single", single_programs=256),
+              K.PermuteLaunch(form="single", single_fill=8192)]
     three = [K.PermuteLaunch(form="three_pass"),
              K.PermuteLaunch(form="three_pass", block_pairs=256),
              K.PermuteLaunch(form="three_pass", place_warps=4),

@@ -37,7 +37,7 @@ RANK_ONEHOT = 1      # the column cumsum of a [BLOCK, EXPERT_CHUNK] one-hot tile
 
 # tl.histogram keeps at least one bin per lane of a warp.
 MIN_HISTOGRAM_BINS = 32
-# Elements of the one-launch form's [slice, all pairs] compare: 256 per thread at 4 warps. Past
+# Elements of the one-launch form's [slice, all pairs] compare: 128 per thread at 8 warps. Past
 # it a slice shrinks (to 8 pairs at least) and more programs share the pairs.
 SINGLE_COMPARE_TILE = 2**15
 
@@ -56,7 +56,8 @@ class PermuteLaunch:
         single_programs: about this many programs place the pairs, in slices of a power of
             two >= 8 pairs; each compares its slice with all T*k ids, so about one program per
             SM keeps that work at T*k / 132 pairs per SM.
-        single_warps: warps per program.
+        single_warps: warps per program (8: at 2048 pairs, 8 ids per thread to count and 128
+            compares per thread to place).
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
@@ -75,7 +76,7 @@ class PermuteLaunch:
     form: Optional[str] = None
     single_max_pairs: int = 2048
     single_programs: int = 128
-    single_warps: int = 4
+    single_warps: int = 8
     single_fill: int = 2048
     block_pairs: int = 128
     scan_blocks: int = 512

@@ -111,8 +111,9 @@ def test_rule_branch_points():
 # of several pairs per program, several tail blocks and expert tiles per program, several
 # scan steps and expert chunks, both ranks of pass 3.
 LAUNCH_VARIANTS = [
-    triton_permute.PermuteLaunch(form="single", single_programs=4, single_fill=8192),
-    triton_permute.PermuteLaunch(form="single", single_warps=8, single_programs=256),
+    triton_permute.PermuteLaunch(form="single", single_programs=4, single_fill=8192,
+                                 single_warps=4),
+    triton_permute.PermuteLaunch(form="single", single_warps=16, single_programs=256),
     triton_permute.PermuteLaunch(form="three_pass", block_pairs=64, scan_blocks=4,
                                  expert_chunk=8),
     triton_permute.PermuteLaunch(form="three_pass", block_pairs=256, place_warps=4,
