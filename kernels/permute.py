@@ -30,8 +30,8 @@ from kernels.types import UNUSED, Permutation
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
 UNUSED_ENTRY = tl.constexpr(UNUSED)
 
-# How a pair's rank among the earlier pairs of its expert is found (the ``RANK`` constexpr).
-# Pass 3 of the three-pass form ranks a pair among its block's earlier pairs of its expert by
+# How pass 3 of the three-pass form ranks a pair among its block's earlier pairs of its expert
+# (the ``RANK`` constexpr):
 RANK_COMPARE = 0     # one compare of the block with itself ([BLOCK, BLOCK])
 RANK_ONEHOT = 1      # the column cumsum of a [BLOCK, EXPERT_CHUNK] one-hot tile, chunk by chunk
 
@@ -53,9 +53,9 @@ class PermuteLaunch:
     "three_pass"; None: the rule).
 
     One-launch form:
-        single_programs: about this many programs place the pairs, in slices of a power of
-            two >= 8 pairs; each compares its slice with all T*k ids, so about one program per
-            SM keeps that work at T*k / 132 pairs per SM.
+        single_programs: about this many programs place the pairs (one more counts them), in
+            slices of a power of two >= 8 pairs; each compares its slice with all T*k ids, so
+            about one program per SM of an H200 (132) spreads that work evenly.
         single_warps: warps per program (8: at 2048 pairs, 8 ids per thread to count and 128
             compares per thread to place).
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
@@ -66,8 +66,9 @@ class PermuteLaunch:
             pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
             which 256 pairs overflows into spills).
         scan_blocks, expert_chunk: pass 2's tile [scan_blocks, expert_chunk]: one program per
-            chunk of experts (32 for E_local=256), down the blocks in steps of scan_blocks (one
-            step at T=8192, k=8); 4 warps hold 4096 values without spilling, 8192 not.
+            chunk of experts (32 programs for E_local=256), down the blocks in steps of
+            scan_blocks (one step at T=8192, k=8); 4 warps hold 4096 values without spilling,
+            8192 not.
             expert_chunk is also the chunk of RANK_ONEHOT's tile.
         place_warps: warps per program of pass 3.
         place_rank: ``RANK_COMPARE`` ([block, block] compare) or ``RANK_ONEHOT``.
