@@ -105,10 +105,26 @@ def launch_everything() -> None:
                                                           BLOCK=timing.PEER_STORE_BLOCK)
 
     logits = torch.zeros(64, 256)
-    routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,
-                       topk_groups=4, routed_scaling=2.5)
+    # the default and each other value of every routing launch field
+    for launch in (routing.RoutingLaunch(), routing.PACKED64_ROUTING,
+                   routing.RoutingLaunch(compact=routing.COMPACT_GATHER,
+                                         weights_from=routing.WEIGHTS_CARRY),
+                   routing.RoutingLaunch(compact=routing.COMPACT_RELOAD,
+                                         weights_from=routing.WEIGHTS_LOAD_EACH),
+                   routing.RoutingLaunch(num_warps=2, rows_per_program=2)):
+        routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,
+                           topk_groups=4, routed_scaling=2.5, launch=launch)
     routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk")
+    routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk_renorm",
+                       launch=routing.RoutingLaunch(weights_from=routing.WEIGHTS_CARRY))
+    # permute_by_expert: the one-launch form (the rule at 512 pairs, with and without padding)
+    # and the three-pass form with both ranks of pass 3
     ids = torch.zeros(64, 8, dtype=torch.int32)
+    for align in (1, 128):
+        permute.permute_by_expert(ids, 256, align=align, check_ids=False)
+    for launch in (permute.PermuteLaunch(form="three_pass"), permute.ONEHOT_PERMUTE):
+        permute.permute_by_expert(torch.zeros(8192, 8, dtype=torch.int32), 256, align=128,
+                                  check_ids=False, launch=launch)
     perm = permute.permute_by_expert(ids, 256, check_ids=False)
     gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm.source_rows,
                        top_k=8)

@@ -9,6 +9,7 @@ production sizes.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -31,101 +32,176 @@ def random_ids(num_tokens, top_k, num_experts, device, *, padding=True) -> torch
     return torch.randint(0, high, (num_tokens, top_k), dtype=torch.int32, device=device)
 
 
-def both_permutations(topk_ids, num_experts, **kwargs):
-    return (triton_permute.permute_by_expert(topk_ids, num_experts, **kwargs),
-            reference.permute_by_expert(topk_ids, num_experts, **kwargs))
-
-
 # ---------------------------------------------------------------------------------------------
 # permute_by_expert
 # ---------------------------------------------------------------------------------------------
 
-# Each axis of the task covered at least once, kept small for the interpreter:
-# T in 0, 1, 7, 255, 300; E in 8, 60, 256; k in 1, 4, 8; align 1, 16, 128; a local range; ids
-# drawn from [0, E] so the padding id appears.
+def launch_id(launch) -> str:
+    """The fields of a PermuteLaunch that differ from the defaults (a test id)."""
+    default = triton_permute.PermuteLaunch()
+    changed = [f"{name}={value}" for name, value in vars(launch).items()
+               if value != getattr(default, name)]
+    return ",".join(changed) or "default"
+
+
+SINGLE = triton_permute.PermuteLaunch(form="single")
+THREE_PASS = triton_permute.PermuteLaunch(form="three_pass")
+FORMS = {"rule": triton_permute.DEFAULT_PERMUTE, "single": SINGLE, "three_pass": THREE_PASS}
+
+# Each axis covered, kept small for the interpreter: T in 0, 1, 7, 16, 64, 255, 256, 257, 1023;
+# E in 8, 60, 256, 384; k in 1, 4, 8; align 1, 16, 128; a local range; ids drawn from [0, E] so
+# the padding id appears. The default rule runs the one-launch form up to 2048 pairs (E_local
+# <= 256) or 1024 (E_local = 384): T=256 / 257 at k=8 and T=128 / 129 at E=384 are its two
+# sides. Each case also runs the form the rule does not pick (``other``: False where that
+# would be slow in the interpreter).
 PERMUTE_CASES = [
-    # T,   k, E,   first, E_local, align
-    (0,    4, 8,   0,     None,    16),
-    (1,    1, 8,   0,     None,    1),
-    (7,    4, 60,  0,     None,    16),
-    (255,  8, 8,   0,     None,    1),
-    (300,  8, 256, 64,    64,      128),
-    (300,  4, 60,  30,    15,      16),
-    (300,  1, 256, 0,     None,    1),
-    (1023, 8, 256, 0,     None,    16),
+    # T,   k, E,   first, E_local, align, other
+    (0,    4, 8,   0,     None,    16,    True),
+    (1,    1, 8,   0,     None,    1,     True),
+    (1,    8, 256, 0,     None,    128,   True),
+    (7,    4, 60,  0,     None,    16,    True),
+    (16,   8, 384, 0,     None,    128,   True),
+    (64,   8, 256, 64,    64,      16,    True),
+    (128,  8, 384, 0,     None,    1,     True),
+    (129,  8, 384, 0,     None,    16,    True),
+    (255,  8, 8,   0,     None,    1,     True),
+    (256,  8, 256, 0,     None,    128,   True),
+    (257,  8, 256, 0,     None,    1,     True),
+    (300,  4, 60,  30,    15,      16,    False),
+    (1023, 8, 256, 0,     None,    16,    False),
 ]
 
 
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align",
+def check_permute(topk_ids, num_experts, *, launch, first_expert=0, num_local=None, align=1):
+    kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
+    got = triton_permute.permute_by_expert(topk_ids, num_experts, launch=launch, **kwargs)
+    assert_permutation_equal(got, reference.permute_by_expert(topk_ids, num_experts, **kwargs))
+    return got
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align, other",
                          PERMUTE_CASES)
 def test_permute_matches_oracle(device, seed, num_tokens, top_k, num_experts, first_expert,
-                                num_local, align):
+                                num_local, align, other):
     topk_ids = random_ids(num_tokens, top_k, num_experts, device)
-    kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
-    got, want = both_permutations(topk_ids, num_experts, **kwargs)
-    assert_permutation_equal(got, want)
+    local = num_local or num_experts - first_expert
+    single = triton_permute.DEFAULT_PERMUTE.chooses_single(topk_ids.numel(), local)
+    launches = [triton_permute.DEFAULT_PERMUTE] + ([THREE_PASS if single else SINGLE]
+                                                   if other else [])
+    for launch in launches:
+        got = check_permute(topk_ids, num_experts, launch=launch, first_expert=first_expert,
+                            num_local=num_local, align=align)
     check_permutation_invariants(got, topk_ids, first_expert=first_expert,
-                                 num_local_experts=num_local or num_experts - first_expert,
-                                 align=align)
+                                 num_local_experts=local, align=align)
 
 
-def test_permute_one_expert_across_many_blocks(device):
-    # 1200 pairs of one expert span 5 blocks of 256: the block scan must carry between them.
+def test_rule_branch_points():
+    """The default rule: the one-launch form up to 2048 pairs for E_local <= 256 (256 bins),
+    half as many at 512 bins (E_local 257..512)."""
+    rule = triton_permute.DEFAULT_PERMUTE
+    assert rule.chooses_single(0, 8) and rule.chooses_single(2048, 256)
+    assert not rule.chooses_single(2056, 256) and not rule.chooses_single(65536, 256)
+    assert rule.chooses_single(1024, 384) and not rule.chooses_single(1032, 384)
+    assert SINGLE.chooses_single(65536, 256) and not THREE_PASS.chooses_single(8, 8)
+    with pytest.raises(ValueError, match="PermuteLaunch.form='two_pass' must be one of"):
+        triton_permute.PermuteLaunch(form="two_pass").chooses_single(8, 8)
+
+
+# Knobs the sweep (python -m bench.tune) may set, at values that exercise the loops: slices
+# of several pairs per program, several tail blocks and expert tiles per program, several
+# scan steps and expert chunks, both ranks of pass 3.
+LAUNCH_VARIANTS = [
+    triton_permute.PermuteLaunch(form="single", single_programs=4, single_fill=8192,
+                                 single_warps=4),
+    triton_permute.PermuteLaunch(form="single", single_warps=16, single_programs=256),
+    triton_permute.PermuteLaunch(form="three_pass", block_pairs=64, scan_blocks=4,
+                                 expert_chunk=8),
+    triton_permute.PermuteLaunch(form="three_pass", block_pairs=256, place_warps=4,
+                                 place_rank=triton_permute.RANK_ONEHOT, expert_chunk=16),
+    triton_permute.ONEHOT_PERMUTE,
+]
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=launch_id)
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align", [
+    (37, 8, 60, 0, None, 16), (150, 4, 256, 64, 128, 3), (5, 8, 384, 0, None, 128),
+    (3, 2, 8, 0, None, 1500)])
+def test_permute_launch_variants_match_oracle(device, seed, launch, num_tokens, top_k,
+                                              num_experts, first_expert, num_local, align):
+    topk_ids = random_ids(num_tokens, top_k, num_experts, device)
+    check_permute(topk_ids, num_experts, launch=launch, first_expert=first_expert,
+                  num_local=num_local, align=align)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_permute_one_expert_across_many_blocks(device, form):
+    # 1200 pairs of one expert span 10 blocks of 128: the block scan must carry between them;
+    # in the one-launch form, many slices.
     topk_ids = torch.full((300, 4), 3, dtype=torch.int32, device=device)
     topk_ids[::7, 1] = 5
-    got, want = both_permutations(topk_ids, 8, align=16)
-    assert_permutation_equal(got, want)
+    check_permute(topk_ids, 8, launch=FORMS[form], align=16)
 
 
 def test_permute_more_blocks_than_one_scan_step(device, seed):
-    # 33600 pairs = 132 blocks of 256 > SCAN_BLOCKS (128): pass 2 takes two steps down.
-    assert 4200 * 8 > triton_permute.BLOCK_PAIRS * triton_permute.SCAN_BLOCKS
+    # 33600 pairs = 263 blocks of 128: the rule's three-pass form scans them in one step of
+    # 512, the launch with [128, 32] tiles in three.
+    rule = triton_permute.DEFAULT_PERMUTE
+    assert not rule.chooses_single(4200 * 8, 4)
+    steps = triton_permute.PermuteLaunch(scan_blocks=128, expert_chunk=32)
+    assert rule.block_pairs * steps.scan_blocks < 4200 * 8 <= rule.block_pairs * rule.scan_blocks
     topk_ids = random_ids(4200, 8, 8, device)
-    got, want = both_permutations(topk_ids, 8, first_expert=2, num_local_experts=4, align=4)
-    assert_permutation_equal(got, want)
+    for launch in (rule, steps):
+        check_permute(topk_ids, 8, launch=launch, first_expert=2, num_local=4, align=4)
 
 
-def test_permute_is_deterministic(device, seed):
-    topk_ids = random_ids(300, 8, 60, device)
-    first = triton_permute.permute_by_expert(topk_ids, 60, align=16)
+@pytest.mark.parametrize("form", FORMS)
+def test_permute_is_deterministic(device, seed, form):
+    topk_ids = random_ids(300 if form == "three_pass" else 100, 8, 60, device)
+    first = triton_permute.permute_by_expert(topk_ids, 60, align=16, launch=FORMS[form])
     for _ in range(2):
-        assert_permutation_equal(triton_permute.permute_by_expert(topk_ids, 60, align=16), first)
+        assert_permutation_equal(triton_permute.permute_by_expert(topk_ids, 60, align=16,
+                                                                  launch=FORMS[form]), first)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("bad", [-1, 9])
-def test_permute_names_a_bad_id(device, bad):
+def test_permute_names_a_bad_id(device, bad, form):
     topk_ids = torch.tensor([[0, 1], [bad, 2]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=f"expert id {bad} outside"):
-        triton_permute.permute_by_expert(topk_ids, 8)
+        triton_permute.permute_by_expert(topk_ids, 8, launch=FORMS[form])
 
 
+@pytest.mark.parametrize("form", ["single", "three_pass"])
 @pytest.mark.parametrize("bad", [-5, 9])
 @pytest.mark.parametrize("num_tokens", [3, 300])
-def test_permute_device_check_names_the_extreme_id(device, bad, num_tokens):
-    """The id range is checked on the device (per-block min / max, reduced in pass 2) and
-    read once: the error names the same id as the oracle's (the smallest if negative, else
-    the largest), also when the bad id sits in a later block and several are bad."""
+def test_permute_device_check_names_the_extreme_id(device, bad, num_tokens, form):
+    """The id range is checked on the device (the one-launch form's program 0 reduces all ids;
+    the three-pass form per block, reduced in pass 2) and read once: the error names the same
+    id as the oracle's (the smallest if negative, else the largest), also when the bad id sits
+    in a later block and several are bad."""
     topk_ids = random_ids(num_tokens, 4, 8, device)
     topk_ids[-1, 2] = bad
     topk_ids[num_tokens // 2, 0] = bad + (-1 if bad < 0 else 1)  # the extreme one
     extreme = bad + (-1 if bad < 0 else 1)
-    for run in (reference.permute_by_expert, triton_permute.permute_by_expert,
-                a2a.permute.permute_by_expert):
+    triton_run = functools.partial(triton_permute.permute_by_expert, launch=FORMS[form])
+    for run in (reference.permute_by_expert, triton_run, a2a.permute.permute_by_expert):
         with pytest.raises(ValueError, match=f"expert id {extreme} outside \\[0, 8\\]"):
             run(topk_ids, 8, check_ids=True)
 
 
+@pytest.mark.parametrize("form", ["single", "three_pass"])
 @pytest.mark.parametrize("bad", [-1, 61, 2**31 - 1])
-def test_permute_unchecked_skips_bad_ids(device, bad):
+def test_permute_unchecked_skips_bad_ids(device, bad, form):
     """check_ids=False reads nothing and skips out-of-range ids as not owned: the result equals
     the oracle's (also unchecked) and that of the same ids with the bad ones set to padding."""
-    topk_ids = random_ids(300, 8, 60, device)
+    topk_ids = random_ids(300 if form == "three_pass" else 120, 8, 60, device)
     topk_ids[::7, 3] = bad
     padded = topk_ids.clone()
     padded[::7, 3] = 60
     for first_expert, num_local, align in [(0, None, 1), (16, 20, 8)]:
         kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
-        got = triton_permute.permute_by_expert(topk_ids, 60, check_ids=False, **kwargs)
+        got = triton_permute.permute_by_expert(topk_ids, 60, check_ids=False,
+                                               launch=FORMS[form], **kwargs)
         assert_permutation_equal(got, reference.permute_by_expert(topk_ids, 60, check_ids=False,
                                                                   **kwargs))
         assert_permutation_equal(got, reference.permute_by_expert(padded, 60, **kwargs))
@@ -276,12 +352,15 @@ def test_stage_names_a_non_tensor():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [4096, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256, 257, 1024, 4096, 8192])
 @pytest.mark.parametrize("first_expert, num_local, align", [(0, None, 1), (0, None, 128),
-                                                            (64, 32, 128), (0, 512, 16)])
+                                                            (64, 32, 128), (0, 512, 16),
+                                                            (0, 384, 1)])
 def test_permute_gpu_matches_oracle_and_repeats(device, seed, num_tokens, first_expert,
                                                 num_local, align):
-    num_experts = 512 if num_local == 512 else 256
+    """The default rule (either form, by T*k and E_local) at the decode and prefill sizes,
+    exact against the oracle, then 100 runs bit-identical."""
+    num_experts = 512 if num_local == 512 else 384 if num_local == 384 else 256
     topk_ids = random_ids(num_tokens, 8, num_experts, device)
     kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
     first = triton_permute.permute_by_expert(topk_ids, num_experts, **kwargs)
@@ -292,11 +371,25 @@ def test_permute_gpu_matches_oracle_and_repeats(device, seed, num_tokens, first_
 
 
 @pytest.mark.gpu
-def test_permute_gpu_skewed_routing(device):
-    # Every token to experts 0..7: 8192 pairs per expert, 32 blocks each.
-    topk_ids = torch.arange(8, dtype=torch.int32, device=device).repeat(8192, 1)
-    got, want = both_permutations(topk_ids, 256, align=128)
-    assert_permutation_equal(got, want)
+@pytest.mark.parametrize("launch", [SINGLE, THREE_PASS] + LAUNCH_VARIANTS, ids=launch_id)
+@pytest.mark.parametrize("num_tokens, align", [(1, 128), (64, 1), (256, 128), (1024, 16)])
+def test_permute_gpu_forms_match_oracle_and_repeat(device, seed, launch, num_tokens, align):
+    """Every form and knob the sweep may pick, exact, and 100 runs bit-identical."""
+    topk_ids = random_ids(num_tokens, 8, 256, device)
+    first = check_permute(topk_ids, 256, launch=launch, align=align)
+    for _ in range(100):
+        again = triton_permute.permute_by_expert(topk_ids, 256, align=align, launch=launch)
+        assert_permutation_equal(again, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["single", "three_pass"])
+def test_permute_gpu_skewed_routing(device, form):
+    # Every token to experts 0..7: all pairs of 8 experts (8192 per expert at T=8192: 32
+    # blocks each); the one-launch form at 256 tokens.
+    num_tokens = 256 if form == "single" else 8192
+    topk_ids = torch.arange(8, dtype=torch.int32, device=device).repeat(num_tokens, 1)
+    check_permute(topk_ids, 256, launch=FORMS[form], align=128)
 
 
 @pytest.mark.gpu
