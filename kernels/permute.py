@@ -47,17 +47,19 @@ class PermuteLaunch:
     """Launch rule of ``permute_by_expert`` (``python -m bench.tune`` times the alternatives and
     records them in bench/results/tune-*.json).
 
-    The form: the one-launch form runs when ``T*k <= single_max_pairs * 256 / max(256, bins)``,
+    The form: the one-launch form runs when ``T*k <= single_max_pairs * 512 / max(512, bins)``,
     bins = E_local rounded up to a power of two: every program of it counts all T*k ids into
-    ``bins`` bins, whose cost per id grows with the bins. ``form`` forces one ("single",
+    ``bins`` bins, whose cost per id grows with the bins. The branch point is where the tune run
+    on an H200 saw the three-pass form win (between 2048 and 4096 pairs with align=128, E=256;
+    the one-launch form still won at 2048 pairs with E=384). ``form`` forces one ("single",
     "three_pass"; None: the rule).
 
     One-launch form:
         single_programs: about this many programs place the pairs (one more counts them), in
             slices of a power of two >= 8 pairs; each compares its slice with all T*k ids, so
             about one program per SM of an H200 (132) spreads that work evenly.
-        single_warps: warps per program (8: at 2048 pairs, 8 ids per thread to count and 128
-            compares per thread to place).
+        single_warps: warps per program (4: the best of 1, 4, 8 and 16 in the tune run, at
+            every size the form is chosen for).
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
@@ -70,19 +72,19 @@ class PermuteLaunch:
             scan_blocks (one step at T=8192, k=8); 4 warps hold 4096 values without spilling,
             8192 not.
             expert_chunk is also the chunk of RANK_ONEHOT's tile.
-        place_warps: warps per program of pass 3.
+        place_warps: warps per program of pass 3 (4: the best of 4 and 8 in the tune run).
         place_rank: ``RANK_COMPARE`` ([block, block] compare) or ``RANK_ONEHOT``.
     """
 
     form: Optional[str] = None
     single_max_pairs: int = 2048
     single_programs: int = 128
-    single_warps: int = 8
+    single_warps: int = 4
     single_fill: int = 2048
     block_pairs: int = 128
     scan_blocks: int = 512
     expert_chunk: int = 8
-    place_warps: int = 8
+    place_warps: int = 4
     place_rank: int = RANK_COMPARE
 
     def chooses_single(self, num_pairs: int, num_local_experts: int) -> bool:
@@ -93,7 +95,7 @@ class PermuteLaunch:
                                  f"None (the rule)")
             return self.form == "single"
         bins = histogram_bins(num_local_experts)
-        return num_pairs * max(256, bins) <= self.single_max_pairs * 256
+        return num_pairs * max(512, bins) <= self.single_max_pairs * 512
 
 
 FORMS = ("single", "three_pass")

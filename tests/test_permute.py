@@ -62,8 +62,8 @@ PERMUTE_CASES = [
     (7,    4, 60,  0,     None,    16,    True),
     (16,   8, 384, 0,     None,    128,   True),
     (64,   8, 256, 64,    64,      16,    True),
-    (128,  8, 384, 0,     None,    1,     True),
-    (129,  8, 384, 0,     None,    16,    True),
+    (256,  8, 384, 0,     None,    1,     True),
+    (257,  8, 384, 0,     None,    16,    True),
     (255,  8, 8,   0,     None,    1,     True),
     (256,  8, 256, 0,     None,    128,   True),
     (257,  8, 256, 0,     None,    1,     True),
@@ -96,12 +96,13 @@ def test_permute_matches_oracle(device, seed, num_tokens, top_k, num_experts, fi
 
 
 def test_rule_branch_points():
-    """The default rule: the one-launch form up to 2048 pairs for E_local <= 256 (256 bins),
-    half as many at 512 bins (E_local 257..512)."""
+    """The default rule: the one-launch form up to 2048 pairs for E_local <= 512 (512 bins),
+    half as many at 1024 bins (E_local 513..1024)."""
     rule = triton_permute.DEFAULT_PERMUTE
     assert rule.chooses_single(0, 8) and rule.chooses_single(2048, 256)
     assert not rule.chooses_single(2056, 256) and not rule.chooses_single(65536, 256)
-    assert rule.chooses_single(1024, 384) and not rule.chooses_single(1032, 384)
+    assert rule.chooses_single(2048, 384) and not rule.chooses_single(2056, 384)
+    assert rule.chooses_single(1024, 600) and not rule.chooses_single(1032, 600)
     assert SINGLE.chooses_single(65536, 256) and not THREE_PASS.chooses_single(8, 8)
     with pytest.raises(ValueError, match="PermuteLaunch.form='two_pass' must be one of"):
         triton_permute.PermuteLaunch(form="two_pass").chooses_single(8, 8)
