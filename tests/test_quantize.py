@@ -12,7 +12,6 @@ from kernels import reference as R
 from kernels.quantize_details.formats import rcp_approx
 from kernels.quantize_details.words import PAIR_VIEWS
 from kernels.spec import INV_E2M1_MAX, INV_E4M3_MAX, SCALE_LAYOUTS, swizzled_scale_shape
-from tests.support import assert_close
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -149,14 +148,12 @@ def test_dequantize_and_swizzle_match_reference(device, seed):
         packed, scales = R.quantize_nvfp4(x, gs, layout=layout)
         assert torch.equal(Q.dequantize_nvfp4(packed, scales, gs, layout=layout),
                            R.dequantize_nvfp4(packed, scales, gs, layout=layout))
-        # bf16 output: the GPU rounds fp32 -> bf16 to nearest even (exact match); Triton's
-        # interpreter rounds half up and drops the sign of zero, so on CPU: the bf16 tolerance.
-        ours = Q.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=torch.bfloat16)
-        theirs = R.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=torch.bfloat16)
-        if device.type == "cuda":
-            assert torch.equal(ours, theirs)
-        else:
-            assert_close(ours, theirs)
+        # bf16 / fp16 output: rounded on the bits to nearest even (kernels.casting.round_to),
+        # so also Triton's interpreter (whose own cast rounds half up) matches bit for bit.
+        for dtype in (torch.bfloat16, torch.float16):
+            ours = Q.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=dtype)
+            theirs = R.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=dtype)
+            assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
         poisoned = Q.swizzle_scales(linear[1], layout)
         assert torch.equal(poisoned, scales)
         assert torch.equal(Q.unswizzle_scales(scales, layout, 130, 4), linear[1])

@@ -27,12 +27,16 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
                     check_ids: bool = True) -> LocalSendPlan:
     """What this rank sends where, from its own routing alone (no communication).
 
-    topk_ids:            [T, k] int32, slot ids in ``[0, S]``; S = padding (sent nowhere).
+    topk_ids:            [T, k] int32 (any strides), slot ids in ``[0, S]``; S = padding
+                         (sent nowhere).
     num_experts:         E, the number of distinct experts.
     ep_size:             R, the number of ranks; S must be a multiple of R.
     max_tokens_per_rank: N >= T, sizes the index buffers ([N*R]); default T.
     slot_count:          S >= E (E plus redundant expert copies); default E.
-    check_ids:           range-check the ids (reads them).
+    check_ids:           True: range-check the ids (reads them: a host sync) and raise
+                         ValueError naming one outside ``[0, S]``. False: nothing is read;
+                         such an id is then treated as padding (sent nowhere, not counted),
+                         as on every face.
     Returns a :class:`LocalSendPlan`: a token goes once to each distinct rank owning one of its
     ids, ascending token order inside each rank's segment; ``backward_recv_rank_local_indices``
     holds ``token*k + j`` for the first such slot j.
@@ -54,7 +58,10 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
         backward_indices[start:start + count] = (tokens * top_k + first_slot).int()
         send_counts[rank] = count
         start += count
-    expert_counts = torch.bincount(topk_ids.flatten().long(), minlength=slots + 1)[:slots]
+    # Ids outside [0, S) (the padding id S, and with check_ids=False any bad id) are not
+    # counted; the rank of an id outside [0, S] is never in [0, R), so it is sent nowhere.
+    ids = topk_ids.flatten().long()
+    expert_counts = torch.bincount(ids[(ids >= 0) & (ids < slots)], minlength=slots)
     return LocalSendPlan(
         send_counts=send_counts,
         send_rank_count_cumsum=torch.cumsum(send_counts, 0, dtype=torch.int32),

@@ -4,19 +4,45 @@ Every face of an op (the plain-torch oracle in ``kernels.reference``, the Triton
 ``kernels/<op>.py`` and the FlashInfer adapter in ``a2a/``) calls the same check from here, so
 that all of them accept and refuse the same arguments with the same exception and message.
 Nothing here launches a kernel or imports Triton.
+
+What every face does alike (each op's docstring repeats its part):
+
+- Views: every face takes inputs of any strides (a Triton launcher copies to a contiguous
+  tensor where its kernel needs one); caller-provided outputs (``out=``, ``out_scales=``) must
+  be exactly the written shape and dtype, contiguous, on the input's device.
+- Index tensors (``rows``, ``permutation.inverse``, ``topk_ids``) are int32 (int64 is refused).
+  An entry is UNUSED (-1: a zero row / a skipped slot) or in range. ``check_values=True`` (the
+  default; ``check_ids`` for ``permute_by_expert`` and ``local_send_plan``) reads the range on
+  the device in one host read and raises ValueError naming a bad entry; ``check_values=False``
+  reads nothing (CUDA graphs, compiled code) and every face treats an out-of-range entry as
+  UNUSED (``values``).
+- The NVFP4 global scale is one fp32 element in [2^-126, 2^126], read under ``check_values``.
+- Float results are rounded to nearest even once, every NaN written as one canonical NaN per
+  dtype (``casting``); byte movers keep the bytes.
 """
 
+from kernels.spec.casting import (BITS_DTYPES, CANONICAL_NAN_BITS,  # noqa: F401
+                                  round_to_dtype)
 from kernels.spec.permute import (UNPERMUTE_DTYPES, check_gather_inputs,  # noqa: F401
-                                  check_permute_inputs, check_unpermute_inputs,
+                                  check_gather_values, check_permute_inputs,
+                                  check_unpermute_inputs, check_unpermute_values,
                                   local_expert_count, permutation_capacity)
 from kernels.spec.prepare import PREPARE_MAX_TOP_K, check_prepare_inputs  # noqa: F401
-from kernels.spec.quant import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, FLT_MAX,  # noqa: F401
-                                INV_E2M1_MAX, INV_E4M3_MAX, LAYOUT_BLOCK_TILE, LAYOUT_ROW_TILE,
-                                MX_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR,
-                                QUANT_INPUT_DTYPES, SCALE_LAYOUTS, check_global_scale,
-                                check_layout, check_mx_scales, check_out, check_quant_input,
-                                round_up, swizzled_scale_shape)
+from kernels.spec.quant import (DEQUANT_DTYPES, E2M1_MAX, E2M1_VALUES, E4M3_MAX,  # noqa: F401
+                                FLT_MAX, GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, INV_E2M1_MAX,
+                                INV_E4M3_MAX, LAYOUT_BLOCK_TILE, LAYOUT_ROW_TILE, MX_BLOCK,
+                                NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR, QUANT_INPUT_DTYPES,
+                                SCALE_LAYOUTS, check_dequantize_mx_args,
+                                check_dequantize_nvfp4_args, check_global_scale,
+                                check_global_scale_value, check_global_scale_values,
+                                check_layout, check_mx_scales, check_out, check_output_dtype,
+                                check_quant_input, check_quantize_nvfp4_args,
+                                check_quantize_nvfp4_values, check_scale_buffer,
+                                check_swizzle_args, check_unswizzle_args, round_up,
+                                swizzled_scale_shape)
 from kernels.spec.routing import (LOGIT_DTYPES, MAX_TOP_K, ROUTING_METHODS,  # noqa: F401
                                   check_routing_args)
 from kernels.spec.tensors import (FLOAT_TOLERANCES, check_expert_ids, check_tensor,  # noqa: F401
                                   check_top_k)
+from kernels.spec.values import (check_index_range, index_extremes,  # noqa: F401
+                                 read_to_host)
