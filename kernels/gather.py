@@ -71,8 +71,11 @@ def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch
     if out.numel() == 0:
         return out
     word = _word_dtype(table)
-    table_words, out_words = table.view(torch.uint8).view(word), out.view(torch.uint8).view(word)
-    row_words = table_words.shape[1]
+    row_words = table.shape[1] * table.element_size() // word.itemsize
+    # flat first: a contiguous tensor with a size-1 dim may carry any stride there
+    table_words = table.reshape(-1).view(torch.uint8).view(word).reshape(table.shape[0],
+                                                                         row_words)
+    out_words = out.view(torch.uint8).view(word)
     block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(row_words))
     block_rows = GATHER_TILE_WORDS // block_words
     grid = (triton.cdiv(rows.numel(), block_rows), triton.cdiv(row_words, block_words))

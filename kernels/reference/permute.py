@@ -77,12 +77,14 @@ def gather_table_rows(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     outside ``[0, T)``. table: [T, W] any dtype and strides; tokens: [P] integer. No host
     sync (capturable): the rows are moved as bytes, so NaN payloads and -0.0 stay as they
     are."""
-    num_tokens = table.shape[0]
-    raw = table.contiguous().view(torch.uint8)  # [T, W * bytes per element]
-    out = torch.zeros((tokens.numel(), raw.shape[1]), dtype=raw.dtype, device=raw.device)
-    if num_tokens > 0:
-        valid = (tokens >= 0) & (tokens < num_tokens)
-        out = raw[torch.where(valid, tokens, 0).long()].masked_fill_(~valid[:, None], 0)
+    num_tokens, width = table.shape
+    if num_tokens == 0 or width == 0:  # nothing to read: every row is a zero row
+        return torch.zeros((tokens.numel(), width), dtype=table.dtype, device=table.device)
+    # [T, W * bytes per element]; flat first: a contiguous tensor with a size-1 dim may carry
+    # any stride there, which a dtype view refuses
+    raw = table.contiguous().reshape(-1).view(torch.uint8).reshape(num_tokens, -1)
+    valid = (tokens >= 0) & (tokens < num_tokens)
+    out = raw[torch.where(valid, tokens, 0).long()].masked_fill_(~valid[:, None], 0)
     return out.view(table.dtype)
 
 

@@ -8,17 +8,28 @@ Nothing here launches a kernel or imports Triton.
 What every face does alike (each op's docstring repeats its part):
 
 - Views: every face takes inputs of any strides (a Triton launcher copies to a contiguous
-  tensor where its kernel needs one); caller-provided outputs (``out=``, ``out_scales=``) must
-  be exactly the written shape and dtype, contiguous, on the input's device.
-- Index tensors (``rows``, ``permutation.inverse``, ``topk_ids``) are int32 (int64 is refused).
-  An entry is UNUSED (-1: a zero row / a skipped slot) or in range. ``check_values=True`` (the
-  default; ``check_ids`` for ``permute_by_expert`` and ``local_send_plan``) reads the range on
-  the device in one host read and raises ValueError naming a bad entry; ``check_values=False``
-  reads nothing (CUDA graphs, compiled code) and every face treats an out-of-range entry as
-  UNUSED (``values``).
-- The NVFP4 global scale is one fp32 element in [2^-126, 2^126], read under ``check_values``.
+  tensor where its kernel needs one). Caller buffers (``out=``, ``out_scales=`` of
+  ``quantize_nvfp4``) must be exactly the written shape and dtype (uint8), contiguous, on the
+  input's device: no conversion, no broadcasting; the result is written there and returned.
+- Index tensors (``rows`` of ``gather_rows`` and ``quantize_nvfp4``, ``permutation.inverse``,
+  ``topk_ids``) are int32; int64 and int16 are refused (TypeError), as the library's index
+  buffers are int32. An entry is UNUSED (-1: a zero row, or a skipped slot) or in range
+  (``[0, T*top_k)``, ``[0, M)``, ``[0, P)``). ``check_values=True`` (the default; the same
+  read is called ``check_ids`` in ``permute_by_expert`` and ``local_send_plan``) reads the
+  range on the device in one host read and raises ValueError naming a bad entry;
+  ``check_values=False`` reads nothing (CUDA-graph capture, compiled code) and every face then
+  treats an out-of-range entry as UNUSED (``values``).
+- ``gather_rows`` takes the Permutation itself (its top_k; a different top_k or an x of
+  another T is refused); with a tensor, a top_k smaller than the permutation's gives rows past
+  T*top_k, refused by the range check.
+- The NVFP4 global scale is one fp32 element in [2^-126, 2^126] (finite, > 0, with a normal
+  reciprocal), read under ``check_values`` by ``quantize_nvfp4`` and ``dequantize_nvfp4``;
+  ``nvfp4_global_scale`` gives 1.0 for all-zero (or empty) x.
+- Dequantizers refuse scales of any shape but the format's ([M, H/32] for MX; [Mp, Kp] or flat
+  for NVFP4) and an output dtype other than float32/bf16/fp16.
 - Float results are rounded to nearest even once, every NaN written as one canonical NaN per
-  dtype (``casting``); byte movers keep the bytes.
+  dtype (``casting``); byte movers (``gather_rows``) keep the bytes. An e2m1 code of a NaN is
+  0x7 (no sign), e4m3 0x7F; the swizzled padding of NVFP4 scales is 0.
 """
 
 from kernels.spec.casting import (BITS_DTYPES, CANONICAL_NAN_BITS,  # noqa: F401
