@@ -50,8 +50,10 @@ def outcome(fn, *args, **kwargs):
     except Exception as error:  # noqa: BLE001 - the error is the outcome compared
         return ("raised", type(error), str(error))
     parts = result if isinstance(result, tuple) else (result,)
+    # a copy of the bytes: a face may return a caller's buffer that the next face rewrites
     return ("returned", [(t.dtype, tuple(t.shape),
-                          t.contiguous().reshape(-1).view(torch.uint8).cpu()) for t in parts])
+                          t.contiguous().reshape(-1).view(torch.uint8).cpu().clone())
+                         for t in parts])
 
 
 def same_on_every_face(faces: dict, *args, **kwargs):
@@ -323,7 +325,7 @@ def test_sm100_flashinfer_quantize_has_the_same_contract(seed):
     for layout in SCALE_LAYOUTS:
         out = torch.empty(5, 32, dtype=torch.uint8, device="cuda")
         same_on_every_face(faces, x.t().contiguous().t(), gs, layout=layout, rows=rows, out=out)
-        same_on_every_face(faces, x[:, ::2].contiguous()[:, :32], gs, layout=layout)
+        same_on_every_face(faces, x[:, 16:48], gs, layout=layout)  # a column slice
     raises_on_every_face({"flashinfer": faces["flashinfer"]}, TypeError,
                          "FlashInfer's quantizers take bfloat16 or float16", x.float(), gs)
     mx = {"triton": _stage(stage_quantize.quantize_mxfp8, "triton"),
@@ -340,3 +342,38 @@ def test_gpu_flashinfer_swizzle_has_the_same_contract(seed):
     same_on_every_face(faces, sf, "swizzled_128x4")
     raises_on_every_face(faces, TypeError, "sf must be uint8", sf.int(), "swizzled_128x4")
     raises_on_every_face(faces, ValueError, "layout='32x4' is not one of", sf, "32x4")
+
+
+@pytest.mark.gpu
+def test_gpu_check_values_off_captures_and_on_names_the_way_out(seed):
+    """check_values=False: the Triton quantize, gather and un-permute capture in a CUDA graph
+    and replay to the eager result; check_values=True inside a capture raises, naming the
+    keyword."""
+    x = _x(130, 64, device="cuda")
+    gs = reference.nvfp4_global_scale(x)
+    perm = _permutation("cuda", num_tokens=130)
+    rows = torch.tensor([129, UNUSED, 0, 7], dtype=torch.int32, device="cuda")
+    expert_out = _x(perm.source_rows.numel(), 64, device="cuda")
+    weights = torch.rand(130, 2, device="cuda")
+    ops = {"quantize": lambda check: triton_quantize.quantize_nvfp4(
+               x, gs, rows=rows, layout="swizzled_128x4", check_values=check),
+           "gather": lambda check: (triton_gather.gather_rows(x, perm, check_values=check),),
+           "unpermute": lambda check: (triton_gather.unpermute_and_reduce(
+               expert_out, perm, weights, check_values=check),)}
+    for name, op in ops.items():
+        want = op(True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            op(False)  # warm-up (compiles) off the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                got = op(False)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), name
+        with pytest.raises(RuntimeError, match="pass check_values=False inside the capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+                op(True)

@@ -144,11 +144,21 @@ def tensors_of(result) -> list:
     return [result]
 
 
+OUTPUT_BUFFERS = ("out", "out_scales")
+
+
 def run_face(fn, args, kwargs):
+    """("returned", the result's items, tensors copied) or ("raised", the exception). Each face
+    gets its own copy of the caller's output buffers (same strides), so that one face's writes
+    cannot stand in for another's."""
+    kwargs = {name: value.clone() if name in OUTPUT_BUFFERS and value is not None else value
+              for name, value in kwargs.items()}
     try:
-        return "returned", fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - the exception is what is compared
         return "raised", error
+    return "returned", [item.clone() if isinstance(item, torch.Tensor) else item
+                        for item in tensors_of(result)]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +186,7 @@ def assert_faces_agree(op: str, case: str, torch_face, triton_face, args, kwargs
         assert type(got[1]) is type(want[1]) and str(got[1]) == str(want[1]), (
             f"{where}: different errors:\n  triton: {got[1]!r}\n  torch:  {want[1]!r}")
         return
-    ours, theirs = tensors_of(got[1]), tensors_of(want[1])
+    ours, theirs = got[1], want[1]
     assert len(ours) == len(theirs), where
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if not isinstance(a, torch.Tensor):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reduce import sum_slots_in_order
+from kernels.spec.casting import round_to_dtype
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan, LocalSendPlan
@@ -172,8 +173,9 @@ def simulate_combine(expert_out_per_rank: list, plans: list) -> list:
     plans:               the R :class:`AlltoallPlan` s of one prepare.
     Returns R tensors [T_r, H] of the same dtype: source r scatters each returned row into
     zeros [T_r*k, H] at ``backward_recv_rank_local_indices`` and sums over k in slot order in
-    float32 (:func:`sum_slots_in_order`), rounded once to the dtype; at most min(R, k) of the k
-    rows are nonzero.
+    float32 (:func:`sum_slots_in_order`), rounded once to the dtype (nearest even, every NaN the
+    canonical one: ``kernels.spec.casting``, as the Triton transport's fused combine writes);
+    at most min(R, k) of the k rows are nonzero.
     """
     ep_size = len(plans)
     out = []
@@ -188,5 +190,5 @@ def simulate_combine(expert_out_per_rank: list, plans: list) -> list:
             slots = plan.backward_recv_rank_local_indices[send_start:send_end].long()
             scattered[slots] = expert_out_per_rank[receiver][recv_start:recv_end].to(like.device)
         summed = sum_slots_in_order(scattered.reshape(plan.num_tokens, plan.top_k, like.shape[1]))
-        out.append(summed.to(like.dtype))
+        out.append(round_to_dtype(summed, like.dtype))
     return out

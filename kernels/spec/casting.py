@@ -24,8 +24,11 @@ BITS_DTYPES = {torch.float32: torch.int32, torch.bfloat16: torch.int16,
 
 def round_to_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 ``values`` -> ``dtype`` (float32, bfloat16 or float16), rounded to nearest even
-    (overflow gives +-inf), every NaN written as ``CANONICAL_NAN_BITS[dtype]``."""
+    (overflow gives +-inf), every NaN written as ``CANONICAL_NAN_BITS[dtype]``. Any other
+    dtype (an integer payload of the combine's oracle): torch's cast."""
     out = values.to(dtype)
+    if dtype not in CANONICAL_NAN_BITS:
+        return out
     bits = out.view(BITS_DTYPES[dtype])
     canonical = torch.full_like(bits, CANONICAL_NAN_BITS[dtype])
     return torch.where(torch.isnan(out), canonical, bits).view(dtype)

@@ -29,6 +29,10 @@ def read_to_host(parts: Sequence[torch.Tensor]) -> list[float]:
     float64 (NaN and inf included)."""
     if not parts:
         return []
+    if parts[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("check_values=True reads values on the host, which a CUDA graph "
+                           "being captured cannot do; pass check_values=False inside the "
+                           "capture (and check the inputs before it)")
     return torch.cat([part.reshape(-1).to(torch.float64) for part in parts]).tolist()
 
 
