@@ -8,7 +8,7 @@ or as views (transposed, every other column or row, a column offset); floats car
 both signs, infinities, NaNs of both signs and tiny values. One case in three breaks one
 argument (a wrong dtype, shape, range or value).
 
-Cases per op: ``FUZZ_CASES`` (default 6, bounded for CI under Triton's interpreter); the seed:
+Cases per op: ``FUZZ_CASES`` (default 12, bounded for CI under Triton's interpreter); the seed:
 ``FUZZ_SEED`` (default 0). On the GPU host run more, e.g.
 ``FUZZ_CASES=300 python -m pytest tests/test_faces_fuzz.py``; a failing case prints its index
 and its own seed, and the same ``FUZZ_SEED`` with ``FUZZ_CASES=<index + 1>`` and ``-k <op>``
@@ -41,7 +41,7 @@ from kernels.spec import (FLOAT_TOLERANCES, GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, 
                           SCALE_LAYOUTS, swizzled_scale_shape)
 from kernels.types import UNUSED, Permutation
 
-CASES = int(os.environ.get("FUZZ_CASES", "6"))
+CASES = int(os.environ.get("FUZZ_CASES", "12"))
 SEED = int(os.environ.get("FUZZ_SEED", "0"))
 
 SPECIALS = (0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1e-30, 6.0)
