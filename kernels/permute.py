@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
-from kernels.spec.tensors import check_expert_ids, check_tensor
+from kernels.spec.tensors import check_expert_ids
 from kernels.types import UNUSED, Permutation
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
@@ -465,7 +465,7 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     equal, field for field, to ``kernels.reference.permute_by_expert``.
 
     Arguments:
-        topk_ids: [T, k] int32, contiguous, global expert id of each (token, slot);
+        topk_ids: [T, k] int32 (any strides), global expert id of each (token, slot);
             ``num_experts`` is the padding id (an unowned slot).
         num_experts: E (or the slot count S), the number of global expert ids.
         first_expert: the first global expert id this rank owns (``ep_rank * E_local``).
@@ -485,6 +485,6 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     """
     num_local = check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
                                      align, check_ids=False)
-    check_tensor("topk_ids", topk_ids, contiguous=True)
+    topk_ids = topk_ids.contiguous()  # any strides, as on every face
     return _launch_permute(topk_ids, num_experts, first_expert, num_local, align, check_ids,
                            launch)

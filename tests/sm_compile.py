@@ -94,7 +94,9 @@ def launch_everything() -> None:
         packed, scales = (torch.zeros(rows, hidden // 2, dtype=torch.uint8),
                           torch.zeros(swizzled_scale_shape(rows, hidden // 16, "swizzled_128x4"),
                                       dtype=torch.uint8))
-        Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", launch=block)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # round_to's branches
+            Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", dtype=dtype,
+                               launch=block)
     floor.nvfp4_traffic(torch.empty(256, 7168, dtype=torch.bfloat16))  # (its ASM=False form)
     for layout in SCALE_LAYOUTS[1:]:
         swizzled = Q.swizzle_scales(torch.zeros(300, 448, dtype=torch.uint8), layout)
@@ -126,10 +128,11 @@ def launch_everything() -> None:
         permute.permute_by_expert(torch.zeros(8192, 8, dtype=torch.int32), 256, align=128,
                                   check_ids=False, launch=launch)
     perm = permute.permute_by_expert(ids, 256, check_ids=False)
-    gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm.source_rows,
-                       top_k=8)
-    gather.unpermute_and_reduce(torch.zeros(512, 7168, dtype=torch.bfloat16), perm,
-                                torch.zeros(64, 8))
+    # check_values=False: nothing ran, so the permutation holds whatever memory held
+    gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm, check_values=False)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        gather.unpermute_and_reduce(torch.zeros(512, 7168, dtype=dtype), perm,
+                                    torch.zeros(64, 8), check_values=False)
 
     cpu = torch.device("cpu")
     triton_prepare.warmup_prepare(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64,

@@ -20,7 +20,7 @@ from a2a.backends import BackendUnavailable
 from kernels import gather as triton_gather
 from kernels import permute as triton_permute
 from kernels import reference
-from kernels.types import UNUSED
+from kernels.types import UNUSED, Permutation
 from test_reference_permute import assert_permutation_equal, check_permutation_invariants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,9 +213,10 @@ def test_permute_unchecked_skips_bad_ids(device, bad, form):
 
 
 def test_permute_refuses_bad_inputs(device):
-    with pytest.raises(ValueError, match="topk_ids must be contiguous"):
-        triton_permute.permute_by_expert(
-            torch.zeros((4, 2), dtype=torch.int32, device=device).t(), 8)
+    # a view is accepted (as on every face) and equals the oracle
+    view = torch.tensor([[0, 1, 2, 8], [3, 3, 0, 7]], dtype=torch.int32, device=device).t()
+    assert_permutation_equal(triton_permute.permute_by_expert(view, 8),
+                             reference.permute_by_expert(view, 8))
     with pytest.raises(ValueError, match="align=0"):
         triton_permute.permute_by_expert(torch.zeros((4, 2), dtype=torch.int32, device=device),
                                          8, align=0)
@@ -263,10 +264,56 @@ def test_gather_without_tokens(device):
     assert torch.equal(got, torch.zeros((5, 8), device=device))
 
 
-def test_gather_refuses_non_contiguous(device):
-    x = torch.zeros((8, 4), device=device).t()
-    with pytest.raises(ValueError, match="x must be contiguous"):
-        triton_gather.gather_rows(x, torch.zeros(2, dtype=torch.int32, device=device))
+def test_gather_takes_views(device, seed):
+    """Transposed and sliced x, scales and rows (every face takes any strides)."""
+    x = torch.randn(8, 6, device=device).t()                      # [6, 8], strides (1, 6)
+    scales = _table(12, 6, torch.uint8, device)[::2]              # [6, 6], every other row
+    rows = torch.tensor([5, 9, UNUSED, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)[::2]
+    got = triton_gather.gather_rows(x, rows, scales=scales, top_k=2)
+    want = reference.gather_rows(x, rows, scales=scales, top_k=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gather_row_past_the_end_is_zero_not_the_next_row(device, seed):
+    """An entry equal to T*top_k (just past the end) is refused with check_values, and with
+    check_values=False gives the documented zero row on both faces, not the row of memory
+    after x: x is a view of the first T rows of a larger table whose other rows are not zero."""
+    top_k, num_tokens = 2, 5
+    table = torch.randn(num_tokens + 3, 24, device=device).to(torch.bfloat16) + 4  # no zeros
+    scale_table = _table(num_tokens + 3, 3, torch.uint8, device) | 1
+    x, scales = table[:num_tokens], scale_table[:num_tokens]   # contiguous views
+    rows = torch.tensor([0, num_tokens * top_k, 9, num_tokens * top_k + 1, UNUSED],
+                        dtype=torch.int32, device=device)
+    for gather in (triton_gather.gather_rows, reference.gather_rows):
+        with pytest.raises(ValueError, match=r"rows holds 11, outside \[0, T\*top_k\) = "
+                                             r"\[0, 10\)"):
+            gather(x, rows, top_k=top_k)
+        out, out_scales = gather(x, rows, scales=scales, top_k=top_k, check_values=False)
+        assert torch.equal(out[0], x[0]) and torch.equal(out[2], x[4])
+        assert not out[[1, 3, 4]].view(torch.int16).any(), gather.__module__
+        assert not out_scales[[1, 3, 4]].any() and torch.equal(out_scales[2], scales[4])
+
+
+def test_gather_takes_the_permutation_and_refuses_a_wrong_top_k(device, seed):
+    """With the Permutation as rows its top_k is used: a different top_k, or x of another T,
+    is refused. With a tensor, a top_k smaller than the permutation's makes rows past T*top_k,
+    refused by the range check (once 10 of 20 rows came back as zeros)."""
+    topk_ids = random_ids(10, 2, 4, device, padding=False)
+    perm = reference.permute_by_expert(topk_ids, 4)
+    x = torch.randn(10, 8, device=device)
+    want = reference.gather_rows(x, perm.source_rows, top_k=2)
+    for gather in (triton_gather.gather_rows, reference.gather_rows):
+        assert torch.equal(gather(x, perm), want) and torch.equal(gather(x, perm, top_k=2), want)
+        with pytest.raises(ValueError, match="top_k=1 but the permutation was built with "
+                                             "top_k=2; leave top_k out"):
+            gather(x, perm, top_k=1)
+        with pytest.raises(ValueError, match="x has 9 rows but the permutation was built for "
+                                             "20 \\(token, slot\\) pairs of k=2, i.e. T=10"):
+            gather(x[:9], perm)
+        with pytest.raises(ValueError, match="outside \\[0, T\\*top_k\\) = \\[0, 10\\) and "
+                                             "not UNUSED \\(-1\\); rows past T\\*top_k mostly "
+                                             "mean a top_k smaller"):
+            gather(x, perm.source_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +359,137 @@ def test_unpermute_refuses_mismatches(device):
     with pytest.raises(ValueError, match="expert_out has 3 rows but the permutation has P=4"):
         triton_gather.unpermute_and_reduce(torch.zeros((3, 8), device=device), perm,
                                            torch.ones((2, 2), device=device))
+
+
+def _bits(values, dtype):
+    """A tensor of ``dtype`` from its bit patterns (ints, possibly >= 2^31 for fp32)."""
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    signed = [v - (1 << 32) if width == torch.int32 and v >= 1 << 31 else
+              v - (1 << 16) if width == torch.int16 and v >= 1 << 15 else v for v in values]
+    return torch.tensor(signed, dtype=width).view(dtype)
+
+
+def _one_slot_each(weights: torch.Tensor, dtype, device):
+    """(expert_out of ones [T, 4] in ``dtype``, a k = 1 permutation, weights [T, 1]): token t's
+    output is exactly round(0 + weights[t] * 1.0), its accumulation in float32."""
+    num_tokens = weights.numel()
+    perm = reference.permute_by_expert(torch.zeros((num_tokens, 1), dtype=torch.int32,
+                                                   device=device), 1)
+    expert_out = torch.ones((num_tokens, 4), dtype=dtype, device=device)
+    return expert_out, perm, weights.reshape(num_tokens, 1).to(device)
+
+
+# float32 accumulation (bits) -> bf16 result (bits), round to nearest even; golden.
+BF16_ROUNDING = [
+    (0x3F808000, 0x3F80),  # 1 + 2^-8: a tie, down to the even 1.0 (half-up would give 0x3F81)
+    (0x3F818000, 0x3F82),  # 1 + 3*2^-8: a tie, up to the even 1 + 2^-6
+    (0x3F808001, 0x3F81),  # just above the tie: up
+    (0x3F807FFF, 0x3F80),  # just below the tie: down
+    (0x3F804000, 0x3F80),  # a quarter step: down
+    (0xBF808000, 0xBF80),  # -(1 + 2^-8): the tie goes to even in magnitude
+    (0xBF818000, 0xBF82),
+    (0x7F7F7FFF, 0x7F7F),  # just below the tie past bf16's max: the max
+    (0x7F7F8000, 0x7F80),  # that tie: to the even, +inf (overflow)
+    (0x7F7FFFFF, 0x7F80),  # FLT_MAX: +inf
+    (0xFF7FFFFF, 0xFF80),  # -FLT_MAX: -inf
+    (0x7F800000, 0x7F80),  # +inf stays
+    (0x00008000, 0x0000),  # subnormal tie: to even 0
+    (0x00018000, 0x0002),  # subnormal tie: to even 2
+    (0x80000000, 0x0000),  # -0.0 weight: 0 + (-0) is +0
+    (0x7FC00000, 0x7FC0),  # NaN: the canonical NaN
+    (0xFFC00001, 0x7FC0),  # a negative NaN with a payload: canonical too
+    (0x7F800001, 0x7FC0),  # a signalling NaN: canonical too
+]
+
+
+def test_unpermute_rounds_bf16_to_nearest_even(device):
+    """The float32 -> bf16 cast of the un-permute, case by case (ties both ways, just above
+    and below a tie, overflow, subnormals, NaNs), on both faces against golden bits."""
+    weights = _bits([acc for acc, _ in BF16_ROUNDING], torch.float32)
+    expert_out, perm, weights = _one_slot_each(weights, torch.bfloat16, device)
+    want = torch.tensor([bf16 for _, bf16 in BF16_ROUNDING], dtype=torch.int32)
+    for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+        got = unpermute(expert_out, perm, weights).view(torch.int16).to(torch.int32) & 0xFFFF
+        assert torch.equal(got.cpu(), want[:, None].expand(-1, 4)), unpermute.__module__
+
+
+@pytest.mark.parametrize("dtype, cases", [
+    (torch.float16, [(0x3F801000, 0x3C00),   # 1 + 2^-11: a tie, down to even 1.0
+                     (0x3F803000, 0x3C02),   # 1 + 3*2^-11: a tie, up to even
+                     (0x477FF000, 0x7C00),   # 65520: overflows to +inf
+                     (0xFFC00001, 0x7E00)]),  # a negative NaN: the canonical NaN
+    (torch.float32, [(0x3F800001, 0x3F800001), (0x7F800001, 0x7FC00000),
+                     (0xFFC00001, 0x7FC00000), (0x7FFFFFFF, 0x7FC00000)]),
+])
+def test_unpermute_rounding_and_nan_in_fp16_and_fp32(device, dtype, cases):
+    weights = _bits([acc for acc, _ in cases], torch.float32)
+    expert_out, perm, weights = _one_slot_each(weights, dtype, device)
+    want = _bits([out for _, out in cases], dtype)
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+        got = unpermute(expert_out, perm, weights).view(width)
+        assert torch.equal(got.cpu(), want.view(width)[:, None].expand(-1, 4))
+
+
+def test_unpermute_nan_rows_give_one_nan(device, seed):
+    """NaN (and inf * 0) inside expert rows: one canonical NaN in every output dtype, on both
+    faces (the GPU writes 0x7FFFFFFF, torch on CPU 0xFFFF for bf16, without it)."""
+    topk_ids = random_ids(40, 4, 8, device)
+    perm = reference.permute_by_expert(topk_ids, 8)
+    expert_out = torch.randn(perm.source_rows.numel(), 24, device=device)
+    expert_out[::3, 5] = float("nan")
+    expert_out[1::5, 7] = -float("nan")
+    expert_out[2::4, 9] = float("inf")
+    weights = torch.rand(40, 4, device=device)
+    weights[::2, 1] = 0.0  # inf * 0 = NaN
+    for dtype, width in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16),
+                         (torch.float32, torch.int32)):
+        got = triton_gather.unpermute_and_reduce(expert_out.to(dtype), perm, weights)
+        want = reference.unpermute_and_reduce(expert_out.to(dtype), perm, weights)
+        assert torch.equal(got.view(width), want.view(width)), dtype
+        assert bool(got.isnan().any())
+        nan_bits = got.view(width)[got.isnan()].unique().tolist()
+        assert nan_bits == [_bits([{torch.bfloat16: 0x7FC0, torch.float16: 0x7E00,
+                                    torch.float32: 0x7FC00000}[dtype]], dtype)
+                            .view(width).item()]
+
+
+def test_unpermute_inverse_out_of_range(device, seed):
+    """An inverse entry outside [0, P) (not UNUSED): the same ValueError on both faces with
+    check_values; skipped as not owned on both with check_values=False."""
+    topk_ids = random_ids(6, 2, 4, device, padding=False)
+    perm = reference.permute_by_expert(topk_ids, 4)
+    capacity = perm.source_rows.numel()
+    expert_out = torch.randn(capacity, 8, device=device)
+    weights = torch.rand(6, 2, device=device)
+    for bad in (capacity, -2, 2**31 - 1):
+        inverse = perm.inverse.clone()
+        inverse[3] = bad
+        broken = Permutation(**{**perm.tensors(), "inverse": inverse}, top_k=2)
+        errors = []
+        for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+            with pytest.raises(ValueError) as error:
+                unpermute(expert_out, broken, weights)
+            errors.append(str(error.value))
+        assert errors[0] == errors[1] and f"permutation.inverse holds {bad}" in errors[0]
+        unowned = Permutation(**{**perm.tensors(),
+                                 "inverse": torch.where(torch.arange(12, device=device) == 3,
+                                                        UNUSED, perm.inverse)}, top_k=2)
+        want = reference.unpermute_and_reduce(expert_out, unowned, weights)
+        for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+            assert torch.equal(unpermute(expert_out, broken, weights, check_values=False), want)
+
+
+def test_unpermute_takes_views(device, seed):
+    topk_ids = random_ids(9, 3, 8, device)
+    perm = reference.permute_by_expert(topk_ids, 8, align=4)
+    expert_out = torch.randn(40, perm.source_rows.numel(), device=device).t()[:, ::2]
+    weights = torch.rand(3, 9, device=device).t()
+    inverse_view = torch.stack((perm.inverse, perm.inverse), dim=1)[:, 0]   # stride 2
+    viewed = Permutation(**{**perm.tensors(), "inverse": inverse_view}, top_k=3, align=4)
+    want = reference.unpermute_and_reduce(expert_out.contiguous(), perm, weights.contiguous())
+    for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+        assert torch.equal(unpermute(expert_out, viewed, weights), want)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,7 +129,9 @@ def nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
     tl.store(out_ptrs[:, None, None] + (blocks * 8)[None, :, None]
              + tl.arange(0, 8)[None, None, :], packed, mask=in_tile, eviction_policy=STORE_POLICY)
     # Scales: rows up to the padded row count, blocks up to the padded block count; the
-    # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
+    # padding (rows >= num_rows or blocks past H/16) stores 0 (its masked zeros times a
+    # global scale that is not a positive number would give -0 or NaN codes).
+    sf = tl.where((rows < num_rows)[:, None] & (blocks < num_blocks)[None, :], sf, 0)
     sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
     store_bytes(scale_ptrs[:, None] + scale_block_offsets(blocks, LAYOUT)[None, :], sf,
                 sf_mask, WORD_ASM)
