@@ -119,7 +119,7 @@ def _quantize_cases(device) -> list[Case]:
             cases.append(Case(
                 f"nvfp4_{layout} [{rows},{hidden}]",
                 _with_launch(lambda x=x, gs=gs, layout=layout, **kw: Q.quantize_nvfp4(
-                    x, gs, layout=layout, **kw)),
+                    x, gs, layout=layout, check_values=False, **kw)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
                 nvfp4_tiles + policies, kernel="nvfp4", others=others))
         if rows == BIG[0]:
@@ -155,7 +155,7 @@ def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str,
     def call():
         out, out_scales = buffers[next(calls) % len(buffers)]
         return Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales,
-                                launch=launch)
+                                check_values=False, launch=launch)
     return call
 
 
