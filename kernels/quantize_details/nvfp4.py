@@ -105,8 +105,11 @@ def nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
         out_scale = tl.where(amax[:, :, None] == 0, 0.0, out_scale)
     else:
         decode = tl.math.div_rn(1.0, global_scale)
+        # A zero block's scale is replaced by 0 below; dividing by 1 there instead of by its
+        # zero scale keeps the interpreter from warning about a division by zero.
+        denominator = tl.where(amax == 0, 1.0, sf_float * decode)
         out_scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
-                                              sf_float * decode),
+                                              denominator),
                                FLT_MAX_C, propagate_nan=tl.PropagateNan.ALL)
         out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
     # Byte i of a packed row holds elements 2i (low nibble) and 2i + 1: word i of x.

@@ -44,7 +44,9 @@ def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.con
                                    mask=start + offsets < num_partials, other=0.0))
         start += BLOCK
     amax = tl.reduce(acc, 0, max_nan)
-    scale = tl.math.div_rn(tl.full((), GLOBAL_NUMERATOR, tl.float32), amax)
+    # amax == 0 gives 1.0 below; dividing by 1 there avoids a division by zero.
+    scale = tl.math.div_rn(tl.full((), GLOBAL_NUMERATOR, tl.float32),
+                           tl.where(amax == 0, 1.0, amax))
     tl.store(out_ptr, round_to(tl.where(amax == 0, 1.0, scale), tl.float32))
 
 
