@@ -1,6 +1,7 @@
-"""The "quantize" stage: NVFP4 / MXFP8 / MXFP4 quantization and scale swizzling, on the backend
-``a2a.backends.resolve("quantize", ...)`` picks: "triton" (``kernels.quantize``), "torch"
-(``kernels.reference``) or "flashinfer" (the adapters below, imported lazily).
+"""The "quantize" stage: NVFP4 / MXFP8 / MXFP4 quantization, dequantization and the scale
+layouts, on the backend ``a2a.backends.resolve("quantize", ...)`` picks: "triton"
+(``kernels.quantize``), "torch" (``kernels.reference``) or "flashinfer" (the adapters below,
+imported lazily; FlashInfer has no dequantizer, no global-scale op and no unswizzle).
 
 FlashInfer facts the adapters rely on (0.7.2):
 - ``fp4_quantize(x, global_scale, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout,
@@ -189,3 +190,47 @@ def swizzle_scales(sf: torch.Tensor, layout: str, *,
     if chosen == "torch":
         return reference.swizzle_scales(sf, layout)
     return _flashinfer_swizzle_scales(sf, layout)
+
+
+def unswizzle_scales(sf_swizzled: torch.Tensor, layout: str, num_rows: int, num_blocks: int, *,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """[Mp, Kp] (or flat) uint8 scales in ``layout`` -> [num_rows, num_blocks] linear (the
+    inverse of :func:`swizzle_scales`). FlashInfer has no unswizzle: refused with that
+    reason."""
+    chosen = resolve(STAGE, backend, _device("sf_swizzled", sf_swizzled), op="unswizzle")
+    run = triton_quantize.unswizzle_scales if chosen == "triton" else reference.unswizzle_scales
+    return run(sf_swizzled, layout, num_rows, num_blocks)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
+                     layout: str = "linear", dtype: torch.dtype = torch.float32,
+                     check_values: bool = True, backend: Optional[str] = None) -> torch.Tensor:
+    """The value of each NVFP4 code, ``(e2m1 * f32(sf)) * (1 / global_scale)``: packed
+    [M, H/2] uint8, scales uint8 in ``layout``, global_scale [1] fp32 (its value checked with
+    ``check_values``, one host read) -> [M, H] ``dtype``; the same bits on every backend
+    (``kernels.reference.dequantize_nvfp4``). FlashInfer has no dequantizer."""
+    chosen = resolve(STAGE, backend, _device("packed", packed), op="dequantize")
+    run = triton_quantize.dequantize_nvfp4 if chosen == "triton" else reference.dequantize_nvfp4
+    return run(packed, scales, global_scale, layout=layout, dtype=dtype,
+               check_values=check_values)
+
+
+def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """values [M, H] float8_e4m3fn (or its uint8 bits), scales [M, H/32] uint8 e8m0 ->
+    [M, H] ``dtype`` (``kernels.reference.dequantize_mxfp8``). FlashInfer has no
+    dequantizer."""
+    chosen = resolve(STAGE, backend, _device("values", values), op="dequantize")
+    run = triton_quantize.dequantize_mxfp8 if chosen == "triton" else reference.dequantize_mxfp8
+    return run(values, scales, dtype=dtype)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """packed [M, H/2] uint8, scales [M, H/32] uint8 e8m0 -> [M, H] ``dtype``
+    (``kernels.reference.dequantize_mxfp4``). FlashInfer has no dequantizer."""
+    chosen = resolve(STAGE, backend, _device("packed", packed), op="dequantize")
+    run = triton_quantize.dequantize_mxfp4 if chosen == "triton" else reference.dequantize_mxfp4
+    return run(packed, scales, dtype=dtype)

@@ -416,3 +416,24 @@ def test_launch_rule_shrinks_tiles_for_small_m():
     assert 16 // rows * -(-448 // blocks) >= 8 and warps == max(1, rows * blocks // 32)
     rows, blocks, warps = Q.tile_shape(8192, 224, 32, cpu, mx)  # MX: the block tile
     assert (rows * blocks * 32, warps) == (mx.tile_elements, mx.num_warps)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stage_dequantizers_and_unswizzle(device, seed, backend):
+    """a2a.quantize exposes the dequantizers and the unswizzle with the oracle's bits; the
+    switch refuses FlashInfer for them with its reason."""
+    x = _hard_input(9, 64, torch.bfloat16, device)
+    gs = R.nvfp4_global_scale(x)
+    packed, scales = R.quantize_nvfp4(x, gs, layout="swizzled_128x4")
+    got = A.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", backend=backend)
+    _assert_same((got,), (R.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4"),))
+    linear = A.unswizzle_scales(scales, "swizzled_128x4", 9, 4, backend=backend)
+    _assert_same((linear,), (R.unswizzle_scales(scales, "swizzled_128x4", 9, 4),))
+    values, mx_scales = R.quantize_mxfp8(x)
+    _assert_same((A.dequantize_mxfp8(values, mx_scales, backend=backend),),
+                 (R.dequantize_mxfp8(values, mx_scales),))
+    codes, mx_scales = R.quantize_mxfp4(x)
+    _assert_same((A.dequantize_mxfp4(codes, mx_scales, dtype=torch.bfloat16, backend=backend),),
+                 (R.dequantize_mxfp4(codes, mx_scales, dtype=torch.bfloat16),))
+    with pytest.raises(BackendUnavailable, match="no standalone dequantizer"):
+        A.dequantize_mxfp4(codes, mx_scales, backend="flashinfer")
