@@ -17,6 +17,7 @@ import torch
 from a2a.backends import BackendUnavailable
 from a2a.routing import check_flashinfer_limits, route_topk_flashinfer
 from a2a.routing import route_topk as route_topk_stage
+from bench import floor
 from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
 from kernels import reference, routing
 from kernels.routing import MAX_EXPERTS
@@ -578,3 +579,18 @@ def test_branch_free_sigmoid_ranks_tiny_scores_as_the_oracle(device, launch):
     logits = logits.to(device)
     check_launch(logits, 8, "deepseek_v3", launch, bias=torch.zeros(256, device=device),
                  num_groups=8, topk_groups=4, routed_scaling=2.5)
+
+
+def test_routing_launch_floor_kernels(device):
+    """bench.floor's routing yardsticks (timed by bench.tune beside the routing cases): the
+    empty kernel stores its one value; row_ids stores each row's int32 max plus 0 .. k-1, so
+    that every id depends on the whole row."""
+    (out,) = floor.empty_launch(device)()
+    assert out.tolist() == [0]
+    logits = make_logits(19, 256, torch.float32, device)
+    ids = floor.row_ids(logits, 8)
+    top = logits.view(torch.int32).max(dim=1).values
+    assert torch.equal(ids, top[:, None] + torch.arange(8, dtype=torch.int32, device=device))
+    assert floor.row_ids(logits[:0], 8).shape == (0, 8)
+    with pytest.raises(ValueError, match="power-of-two top_k"):
+        floor.row_ids(logits, 6)
