@@ -82,7 +82,7 @@ from a2a import ops
 from a2a.backends import resolve
 from a2a.config import DEFAULT_TIMEOUT_S, PrepareConfig, TransportConfig
 from a2a.resources import AlltoallResources
-from a2a.movement import AlltoallMovement, sum_over_slots  # noqa: F401 (public here)
+from a2a.movement import AlltoallMovement
 from kernels.types import AlltoallPlan
 from kernels.spec.prepare import PREPARE_MAX_TOP_K
 from kernels.spec.tensors import check_expert_ids, check_tensor, check_top_k
@@ -105,9 +105,14 @@ def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
 
 def _traced(*tensors) -> bool:
     """Whether a call is traced: inside torch.compile / export, or given tensors that are not
-    plain (fake tensors of make_fx, subclasses); such calls go through the registered ops."""
-    return torch.compiler.is_compiling() or any(
-        t is not None and type(t) is not torch.Tensor for t in tensors)
+    plain (fake tensors of make_fx, subclasses); such calls go through the registered ops.
+    (A loop, not a generator: this is on every eager call's path.)"""
+    if torch.compiler.is_compiling():
+        return True
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return True
+    return False
 
 
 class MoEAlltoall:
@@ -598,7 +603,8 @@ class MoEAlltoall:
         any rank raises on every rank before anything is sent; a traced call checks while
         tracing and never agrees).
         Returns [T, H] of expert_out's dtype: per token, the rows returned by every rank it
-        went to, summed in float32 in slot order and rounded once (:func:`sum_over_slots`).
+        went to, summed in float32 in slot order and rounded once
+        (:func:`a2a.movement.sum_over_slots`).
         """
         if _traced(expert_out):
             return self._traced_combine(expert_out, plan)

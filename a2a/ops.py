@@ -15,10 +15,11 @@ for other ranks, and the torch transport reads counts to the host, all inside th
 removed by ``close()``), so the op reads the object's configuration and its peer-mapped
 workspaces there. ``plan`` is the list of :data:`PLAN_TENSORS` of an
 :class:`~kernels.types.AlltoallPlan`. ``state`` is the list of tensors the call writes, declared
-in ``mutates_args``: the device call counters and the status buffer of the Triton prepare or
-transport, or, for the torch and FlashInfer backends, the object's ``sequence`` counter, which
-the op increments. Declared mutations keep the ops in the graph (an op that mutates nothing and
-whose result is unused would be deleted) and in program order where no data orders them.
+mutated in the schema (``Tensor(a!)[] state``; ``a2a.resources``): the device call counters and
+the status buffer of the Triton prepare or transport, or, for the torch and FlashInfer
+backends, the object's ``sequence`` counter, which the op increments. Declared mutations keep
+the ops in the graph (an op that mutates nothing and whose result is unused would be deleted)
+and in program order where no data orders them.
 
 The workspaces are not op arguments: they are the collective's own memory, mapped into the
 peers' address spaces (like a communicator's buffers); a compiled graph must never clone one,
@@ -205,66 +206,101 @@ def plan_of(tensors: list[torch.Tensor], *, ep_rank: int, ep_size: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# The ops. Each body calls the object's ``move_*`` method (the data movement of one call on
-# checked arguments, without the agreement, writing ``state``); each fake allocates the
-# result's static shape.
+# The ops: defined on a fragment of the namespace (the single-GPU ops of the library register
+# there too), implemented for every device by one CompositeExplicitAutograd kernel that calls
+# the object's ``move_*`` method (the data movement of one call on checked arguments, without
+# the agreement, writing ``state``); each fake allocates the result's static shape.
+#
+# Why not torch.library.custom_op: for an op that mutates an argument it dispatches through
+# Python autograd and ADInplaceOrView kernels, adding several tens of microseconds of host time
+# per call, paid by every compiled call that is not replayed from a CUDA graph; a kernel
+# registered directly costs a few. These ops have no autograd formula (a collective has none
+# here) and launch no triton_op kernels, so nothing is lost.
 # ---------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("moe_a2a::prepare", mutates_args=("state",))
-def prepare_op(handle: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               state: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+SCHEMAS = {
+    "prepare": "prepare(int handle, Tensor topk_ids, Tensor topk_weights, Tensor(a!)[] state) "
+               "-> (Tensor, Tensor)",
+    "dispatch": "dispatch(int handle, Tensor x, Tensor[] plan, Tensor(a!)[] state) -> Tensor",
+    "dispatch_nvfp4": "dispatch_nvfp4(int handle, Tensor x, Tensor global_scale, Tensor[] plan, "
+                      "Tensor(a!)[] state) -> (Tensor, Tensor)",
+    "dispatch_mxfp8": "dispatch_mxfp8(int handle, Tensor x, Tensor[] plan, Tensor(a!)[] state) "
+                      "-> (Tensor, Tensor)",
+    "combine": "combine(int handle, Tensor expert_out, Tensor[] plan, SymInt num_tokens, "
+               "Tensor(a!)[] state) -> Tensor",
+}
+
+# Kept alive for the process: dropping the Library would unregister the ops.
+LIBRARY = torch.library.Library("moe_a2a", "FRAGMENT")
+for _schema in SCHEMAS.values():
+    LIBRARY.define(_schema)
+
+
+def _impl(name: str):
+    def register(fn):
+        LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        return fn
+    return register
+
+
+def _fake(name: str):
+    def register(fn):
+        torch.library.register_fake(f"moe_a2a::{name}", fn, lib=LIBRARY)
+        return fn
+    return register
+
+
+@_impl("prepare")
+def prepare_op(handle, topk_ids, topk_weights, state):
     """MoEAlltoall.prepare of object ``handle``: (local [L] int32, received [M] int32), the
     plan in :func:`plan_layout` (see :func:`plan_from_buffers`)."""
     return registered(handle).move_prepare(topk_ids, topk_weights, state)
 
 
-@prepare_op.register_fake
-def _prepare_fake(handle, topk_ids, topk_weights, state):
+@_fake("prepare")
+def prepare_fake(handle, topk_ids, topk_weights, state):
     layout = registered(handle).plan_layout
     return (topk_ids.new_empty(layout.local_words, dtype=torch.int32),
             topk_ids.new_empty(layout.received_words, dtype=torch.int32))
 
 
-@torch.library.custom_op("moe_a2a::dispatch", mutates_args=("state",))
-def dispatch_op(handle: int, x: torch.Tensor, plan: list[torch.Tensor],
-                state: list[torch.Tensor]) -> torch.Tensor:
+@_impl("dispatch")
+def dispatch_op(handle, x, plan, state):
     """MoEAlltoall.dispatch(x, plan) of object ``handle``: [N*R, H] of x's dtype."""
     return registered(handle).move_dispatch(x, plan, None, None, state)
 
 
-@dispatch_op.register_fake
-def _dispatch_fake(handle, x, plan, state):
+@_fake("dispatch")
+def dispatch_fake(handle, x, plan, state):
     owner = registered(handle)
     return x.new_empty((owner.max_tokens_per_rank * owner.ep_size, x.shape[1]))
 
 
-@torch.library.custom_op("moe_a2a::dispatch_nvfp4", mutates_args=("state",))
-def dispatch_nvfp4_op(handle: int, x: torch.Tensor, global_scale: torch.Tensor,
-                      plan: list[torch.Tensor], state: list[torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+@_impl("dispatch_nvfp4")
+def dispatch_nvfp4_op(handle, x, global_scale, plan, state):
     """MoEAlltoall.dispatch(x, plan, quant="nvfp4", global_scale=...) of object ``handle``:
     (packed [N*R, H/2] uint8, scales [N*R, H/16] uint8 e4m3 bits)."""
     return registered(handle).move_dispatch(x, plan, "nvfp4", global_scale, state)
 
 
-@dispatch_nvfp4_op.register_fake
-def _dispatch_nvfp4_fake(handle, x, global_scale, plan, state):
+@_fake("dispatch_nvfp4")
+def dispatch_nvfp4_fake(handle, x, global_scale, plan, state):
+    from kernels.spec.quant import NVFP4_BLOCK
     owner = registered(handle)
     rows, hidden = owner.max_tokens_per_rank * owner.ep_size, x.shape[1]
     return (x.new_empty((rows, hidden // 2), dtype=torch.uint8),
-            x.new_empty((rows, hidden // 16), dtype=torch.uint8))
+            x.new_empty((rows, hidden // NVFP4_BLOCK), dtype=torch.uint8))
 
 
-@torch.library.custom_op("moe_a2a::dispatch_mxfp8", mutates_args=("state",))
-def dispatch_mxfp8_op(handle: int, x: torch.Tensor, plan: list[torch.Tensor],
-                      state: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+@_impl("dispatch_mxfp8")
+def dispatch_mxfp8_op(handle, x, plan, state):
     """MoEAlltoall.dispatch(x, plan, quant="mxfp8") of object ``handle``: (codes [N*R, H]
     float8_e4m3fn, scales [N*R, H/32] uint8 e8m0)."""
     return registered(handle).move_dispatch(x, plan, "mxfp8", None, state)
 
 
-@dispatch_mxfp8_op.register_fake
-def _dispatch_mxfp8_fake(handle, x, plan, state):
+@_fake("dispatch_mxfp8")
+def dispatch_mxfp8_fake(handle, x, plan, state):
     from kernels.spec.quant import MX_BLOCK
     owner = registered(handle)
     rows, hidden = owner.max_tokens_per_rank * owner.ep_size, x.shape[1]
@@ -272,14 +308,13 @@ def _dispatch_mxfp8_fake(handle, x, plan, state):
             x.new_empty((rows, hidden // MX_BLOCK), dtype=torch.uint8))
 
 
-@torch.library.custom_op("moe_a2a::combine", mutates_args=("state",))
-def combine_op(handle: int, expert_out: torch.Tensor, plan: list[torch.Tensor],
-               num_tokens: int, state: list[torch.Tensor]) -> torch.Tensor:
+@_impl("combine")
+def combine_op(handle, expert_out, plan, num_tokens, state):
     """MoEAlltoall.combine(expert_out, plan) of object ``handle`` (``num_tokens`` = the plan's
     T): [T, H] of expert_out's dtype."""
     return registered(handle).move_combine(expert_out, plan, num_tokens, state)
 
 
-@combine_op.register_fake
-def _combine_fake(handle, expert_out, plan, num_tokens, state):
+@_fake("combine")
+def combine_fake(handle, expert_out, plan, num_tokens, state):
     return expert_out.new_empty((num_tokens, expert_out.shape[1]))

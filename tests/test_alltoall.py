@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from a2a.agreement import BrokenAlltoall, PeerRejected, PeerTimeout
-from a2a.alltoall import MoEAlltoall, sum_over_slots
+from a2a.alltoall import MoEAlltoall
+from a2a.movement import sum_over_slots
 from a2a.backends import BackendUnavailable, flashinfer_installed
 from a2a.config import PrepareConfig, TransportConfig
 from kernels import reference
