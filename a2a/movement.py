@@ -24,6 +24,7 @@ import torch.distributed as dist
 from a2a.config import PrepareConfig, TransportConfig
 from a2a.resources import AlltoallResources
 from a2a.workspace import check_row_bytes
+from kernels.spec.quant import MX_BLOCK, NVFP4_BLOCK
 from kernels.types import AlltoallPlan
 
 
@@ -89,15 +90,15 @@ class AlltoallMovement:
             if self.fused_nvfp4():
                 from a2a.triton_transport import nvfp4_row_bytes
                 return [("nvfp4 rows", nvfp4_row_bytes(hidden))]
-            from kernels.spec.quant import NVFP4_BLOCK
             return [("nvfp4 packed", hidden // 2), ("nvfp4 scales", hidden // NVFP4_BLOCK)]
-        from kernels.spec.quant import MX_BLOCK
         return [("mxfp8 codes", hidden), ("mxfp8 scales", hidden // MX_BLOCK)]
 
     def transport_state(self, kind: str, quant: Optional[str], dtype, *,
                         create: bool = True) -> list:
         """The state of a dispatch or combine (``a2a.resources``); makes its workspaces when
         missing and ``create`` (collective)."""
+        if self.backends["transport"] != "triton":  # its state does not depend on the rows
+            return self.resources.transport_state(kind, (), create=create)
         return self.resources.transport_state(
             kind, [row_bytes for _, row_bytes in self.transfers(kind, quant, dtype)],
             create=create)
