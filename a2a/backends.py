@@ -133,6 +133,10 @@ def _quantize_flashinfer(device: torch.device, op: Optional[str] = None,
         return _flashinfer_common(device)
     if op == "global_scale":
         return "FlashInfer has no standalone NVFP4 global-scale op (it takes the scale as input)"
+    if op == "dequantize":
+        return "FlashInfer has no standalone dequantizer (its GEMMs read the codes directly)"
+    if op == "unswizzle":
+        return "FlashInfer has no scale unswizzle (only block_scale_interleave, the swizzle)"
     major = capability[0] if capability is not None else sm_major(device)
     if major is not None and major >= BLACKWELL_SM_MAJOR:
         return _flashinfer_common(device)

@@ -10,7 +10,7 @@ A local expert step on a rank that owns experts ``[first, first + E_local)``::
 
     perm = permute_by_expert(recv_expert_ids, num_experts, first_expert=first,
                              num_local_experts=E_local, align=128)
-    rows = gather_rows(recv_x, perm.source_rows, top_k=perm.top_k)        # [P, H]
+    rows = gather_rows(recv_x, perm)                                        # [P, H]
     expert_out = grouped_gemm(rows, perm.expert_offsets)                    # the user's
     out = unpermute_and_reduce(expert_out, perm, recv_weights)             # [T, H]
 """
@@ -64,17 +64,24 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
                num_local_experts=num_local_experts, align=align, check_ids=check_ids)
 
 
-def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
-                top_k: int = 1, backend: Optional[str] = None
+def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
+                scales: Optional[torch.Tensor] = None, top_k: Optional[int] = None,
+                check_values: bool = True, backend: Optional[str] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Copy rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``, zeros where
-    ``rows[p]`` is UNUSED.
+    ``rows[p]`` is UNUSED; both backends give the same bytes and the same errors
+    (``kernels.reference.gather_rows``).
 
     Arguments:
-        x: [T, W] any dtype (bf16 rows [T, H], packed NVFP4 uint8 [T, H/2], ...).
-        rows: [P] int32, e.g. ``permutation.source_rows`` (then pass ``top_k=permutation.top_k``).
+        x: [T, W] any dtype and strides (bf16 rows [T, H], packed NVFP4 uint8 [T, H/2], ...).
+        rows: the :class:`Permutation` itself (its source_rows and top_k are used), or [P]
+            int32 rows with ``top_k``.
         scales: optional [T, Ws], e.g. NVFP4 block scales uint8 [T, H/16], gathered alike.
-        top_k: consecutive ``rows`` values per row of ``x`` (1 = rows are token ids).
+        top_k: consecutive ``rows`` values per row of ``x`` (default 1 = rows are token ids;
+            leave it out with a Permutation).
+        check_values: True: one host read of the rows' range, ValueError for an entry neither
+            UNUSED nor in [0, T*top_k). False: no read (CUDA graphs); such an entry gives a
+            zero row.
         backend: "triton", "torch" or "auto"; None takes the default.
 
     Returns:
@@ -84,20 +91,24 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.T
         from kernels.gather import gather_rows as run
     else:
         run = reference.gather_rows
-    return run(x, rows, scales=scales, top_k=top_k)
+    return run(x, rows, scales=scales, top_k=top_k, check_values=check_values)
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
-                         topk_weights: torch.Tensor, *, backend: Optional[str] = None
-                         ) -> torch.Tensor:
+                         topk_weights: torch.Tensor, *, check_values: bool = True,
+                         backend: Optional[str] = None) -> torch.Tensor:
     """Weighted sum of each token's permuted rows, back in token order:
     ``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over owned slots, j = 0..k-1,
-    float32 accumulation; both backends give bit-identical results.
+    float32 accumulation, rounded once (nearest even, one canonical NaN); both backends give
+    bit-identical results and the same errors (``kernels.reference.unpermute_and_reduce``).
 
     Arguments:
-        expert_out: [P, H] bf16/fp16/fp32, the expert compute's output in permuted order.
+        expert_out: [P, H] bf16/fp16/fp32 (any strides), the expert compute's output in
+            permuted order.
         permutation: the :class:`Permutation` the rows were gathered with.
         topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weights.
+        check_values: True: one host read of ``permutation.inverse``'s range, ValueError for
+            an entry neither UNUSED nor in [0, P). False: no read; such a slot is skipped.
         backend: "triton", "torch" or "auto"; None takes the default.
 
     Returns:
@@ -107,4 +118,4 @@ def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
         from kernels.gather import unpermute_and_reduce as run
     else:
         run = reference.unpermute_and_reduce
-    return run(expert_out, permutation, topk_weights)
+    return run(expert_out, permutation, topk_weights, check_values=check_values)

@@ -1,11 +1,16 @@
-"""The "quantize" stage: NVFP4 / MXFP8 / MXFP4 quantization and scale swizzling, on the backend
-``a2a.backends.resolve("quantize", ...)`` picks: "triton" (``kernels.quantize``), "torch"
-(``kernels.reference``) or "flashinfer" (the adapters below, imported lazily).
+"""The "quantize" stage: NVFP4 / MXFP8 / MXFP4 quantization, dequantization and the scale
+layouts, on the backend ``a2a.backends.resolve("quantize", ...)`` picks: "triton"
+(``kernels.quantize``), "torch" (``kernels.reference``) or "flashinfer" (the adapters below,
+imported lazily; FlashInfer has no dequantizer, no global-scale op and no unswizzle).
 
 FlashInfer facts the adapters rely on (0.7.2):
 - ``fp4_quantize(x, global_scale, sf_vec_size=16, sf_use_ue8m0=False, is_sf_swizzled_layout,
   is_sf_8x4_layout)`` returns (uint8 [M, H/2], uint8 scales [M, H/16] linear or [Mp, Kp]
-  swizzled); its kernels do nothing below SM100 (the switch refuses there).
+  swizzled); its kernels do nothing below SM100 (the switch refuses there). It takes
+  bf16/fp16 (and fp8) input, not float32, and reads a column-major input (stride(-2) == 1) as
+  its transpose: the adapters refuse float32 and pass a contiguous x. It has no ``rows`` and
+  no ``out`` buffers: the adapter gathers rows with ``kernels.gather.gather_rows`` (a row
+  outside [0, M) is a zero row, as on every face) and copies into the checked buffers.
 - Its IEEE recipe is chosen by the environment variable FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH,
   read with getenv on every launch (not cached, not at JIT time: both recipes are compiled into
   the same module) and only the exact value "1" counts. The adapter sets it around the call
@@ -27,22 +32,45 @@ import torch
 from a2a.backends import resolve
 from kernels import quantize as triton_quantize
 from kernels import reference
-from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, check_layout, check_quant_input,
+from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, check_quant_input,
+                                check_quantize_nvfp4_args, check_quantize_nvfp4_values,
                                 check_swizzle_args, swizzled_scale_shape)
+from kernels.spec.tensors import check_tensor
 
 STAGE = "quantize"
 _FAST_MATH_ENV = "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH"
+# The input dtypes FlashInfer's fp4_quantize / mxfp8_quantize take (not float32).
+FLASHINFER_INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------
-# FlashInfer adapters
+# FlashInfer adapters: the shared checks of kernels.spec first (the same errors as the other
+# faces), then FlashInfer's call on a contiguous input (it reads a column-major input as its
+# transpose), its results reshaped to the shared contract.
 # ---------------------------------------------------------------------------------------------
 
-def _flashinfer_quantize_nvfp4(x, global_scale, *, layout="linear", fast_math=False):
+def _flashinfer_input(x: torch.Tensor) -> torch.Tensor:
+    """x as FlashInfer's quantizers take it: bf16/fp16 (it has no float32 path: refused, with
+    the faces that take it), contiguous."""
+    if x.dtype not in FLASHINFER_INPUT_DTYPES:
+        raise TypeError(f"FlashInfer's quantizers take bfloat16 or float16 x, got "
+                        f"{str(x.dtype).replace('torch.', '')}; use backend='triton' or "
+                        f"'torch' for it")
+    return x.contiguous()
+
+
+def _flashinfer_quantize_nvfp4(x, global_scale, *, layout="linear", fast_math=False, out=None,
+                               out_scales=None, rows=None, check_values=True):
     import flashinfer
 
-    check_quant_input(x, NVFP4_BLOCK)
-    check_layout(layout)
+    from kernels.gather import gather_rows
+
+    check_quantize_nvfp4_args(x, global_scale, layout, out, out_scales, rows)
+    if check_values:
+        check_quantize_nvfp4_values(global_scale, rows, x.shape[0])
+    if rows is not None:  # checked above: a row outside [0, M) is a zero row, as everywhere
+        x = gather_rows(x, rows, check_values=False)
+    x = _flashinfer_input(x)
     previous = os.environ.get(_FAST_MATH_ENV)
     os.environ[_FAST_MATH_ENV] = "0" if fast_math else "1"
     try:
@@ -55,14 +83,20 @@ def _flashinfer_quantize_nvfp4(x, global_scale, *, layout="linear", fast_math=Fa
         else:
             os.environ[_FAST_MATH_ENV] = previous
     shape = swizzled_scale_shape(x.shape[0], x.shape[1] // NVFP4_BLOCK, layout)
-    return packed.view(torch.uint8), scales.view(torch.uint8).reshape(shape)
+    packed, scales = packed.view(torch.uint8), scales.view(torch.uint8).reshape(shape)
+    # out / out_scales have exactly these shapes and dtypes (checked): a plain byte copy
+    if out is not None:
+        packed = out.copy_(packed)
+    if out_scales is not None:
+        scales = out_scales.copy_(scales)
+    return packed, scales
 
 
 def _flashinfer_quantize_mxfp8(x):
     import flashinfer
 
     check_quant_input(x, MX_BLOCK)
-    values, scales = flashinfer.mxfp8_quantize(x, is_sf_swizzled_layout=False)
+    values, scales = flashinfer.mxfp8_quantize(_flashinfer_input(x), is_sf_swizzled_layout=False)
     return values, scales.view(torch.uint8).reshape(x.shape[0], -1)
 
 
@@ -70,7 +104,7 @@ def _flashinfer_quantize_mxfp4(x):
     import flashinfer
 
     check_quant_input(x, MX_BLOCK)
-    packed, scales = flashinfer.fp4_quantize(x, None, sf_vec_size=MX_BLOCK,
+    packed, scales = flashinfer.fp4_quantize(_flashinfer_input(x), None, sf_vec_size=MX_BLOCK,
                                              sf_use_ue8m0=True, is_sf_swizzled_layout=False)
     return packed.view(torch.uint8), scales.view(torch.uint8).reshape(x.shape[0], -1)
 
@@ -78,22 +112,28 @@ def _flashinfer_quantize_mxfp4(x):
 def _flashinfer_swizzle_scales(sf, layout):
     import flashinfer
 
+    check_swizzle_args(sf, layout)
     if layout != "swizzled_128x4":
         raise ValueError(f"FlashInfer's block_scale_interleave makes only the 'swizzled_128x4' "
-                         f"layout; got layout={layout!r} (use backend='triton')")
-    check_swizzle_args(sf, layout)
+                         f"layout; got layout={layout!r} (use backend='triton' or 'torch')")
     shape = swizzled_scale_shape(sf.shape[0], sf.shape[1], layout)
-    return flashinfer.block_scale_interleave(sf).reshape(shape)
+    return flashinfer.block_scale_interleave(sf.contiguous()).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage functions
+# Stage functions: resolve the backend, then call that face with every argument as given (the
+# face does the shared checks; nothing is converted or emulated here).
 # ---------------------------------------------------------------------------------------------
+
+def _device(name: str, tensor: torch.Tensor) -> torch.device:
+    check_tensor(name, tensor)  # the faces' TypeError for a non-tensor, before resolving
+    return tensor.device
+
 
 def nvfp4_global_scale(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
-    """448 * 6 / amax(x) as [1] fp32 (1.0 when amax == 0); x: [M, H] bf16/fp16/fp32.
-    FlashInfer has no such kernel: backend="flashinfer" is refused with that reason."""
-    chosen = resolve(STAGE, backend, x.device, op="global_scale")
+    """448 * 6 / amax(x) as [1] fp32 (1.0 when amax == 0); x: [M, H] bf16/fp16/fp32, any
+    strides. FlashInfer has no such kernel: backend="flashinfer" is refused with that reason."""
+    chosen = resolve(STAGE, backend, _device("x", x), op="global_scale")
     if chosen == "torch":
         return reference.nvfp4_global_scale(x)
     return triton_quantize.nvfp4_global_scale(x)
@@ -102,34 +142,25 @@ def nvfp4_global_scale(x: torch.Tensor, *, backend: Optional[str] = None) -> tor
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str = "linear",
                    fast_math: bool = False, out: Optional[torch.Tensor] = None,
                    out_scales: Optional[torch.Tensor] = None,
-                   rows: Optional[torch.Tensor] = None,
+                   rows: Optional[torch.Tensor] = None, check_values: bool = True,
                    backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize rows of x. Arguments and returns as ``kernels.quantize.quantize_nvfp4``
-    (x [M, H], global_scale [1] fp32, layout, fast_math, out, out_scales, rows);
-    returns (packed [M', H/2] uint8, scales uint8 e4m3 in ``layout``). ``out``/``out_scales``/
-    ``rows`` are Triton-only; the torch and FlashInfer paths copy into out buffers."""
-    chosen = resolve(STAGE, backend, x.device)
-    if chosen == "triton":
-        return triton_quantize.quantize_nvfp4(x, global_scale, layout=layout,
-                                              fast_math=fast_math, out=out,
-                                              out_scales=out_scales, rows=rows)
-    source = x[rows.long()] if rows is not None else x
-    if chosen == "torch":
-        packed, scales = reference.quantize_nvfp4(source, global_scale, layout=layout,
-                                                  fast_math=fast_math)
-    else:
-        packed, scales = _flashinfer_quantize_nvfp4(source, global_scale, layout=layout,
-                                                    fast_math=fast_math)
-    if out is not None:
-        packed = out.copy_(packed)
-    if out_scales is not None:
-        scales = out_scales.copy_(scales)
-    return packed, scales
+    """NVFP4-quantize rows of x. Arguments, checks and returns as
+    ``kernels.reference.quantize_nvfp4`` on every backend: x [M, H] (any strides),
+    global_scale [1] fp32 in [2^-126, 2^126], layout, fast_math (not on "torch"), out /
+    out_scales (exact shape, uint8, contiguous), rows ([M'] int32, UNUSED = a zero row),
+    check_values (one host read of the scale and the rows' range; False for CUDA graphs);
+    returns (packed [M', H/2] uint8, scales uint8 e4m3 in ``layout``)."""
+    chosen = resolve(STAGE, backend, _device("x", x))
+    run = {"triton": triton_quantize.quantize_nvfp4, "torch": reference.quantize_nvfp4,
+           "flashinfer": _flashinfer_quantize_nvfp4}[chosen]
+    return run(x, global_scale, layout=layout, fast_math=fast_math, out=out,
+               out_scales=out_scales, rows=rows, check_values=check_values)
 
 
 def quantize_mxfp8(x: torch.Tensor, *, backend: Optional[str] = None):
-    """x [M, H] -> (float8_e4m3fn [M, H], e8m0 uint8 [M, H/32]); see the reference."""
-    chosen = resolve(STAGE, backend, x.device)
+    """x [M, H] (any strides) -> (float8_e4m3fn [M, H], e8m0 uint8 [M, H/32]); see the
+    reference."""
+    chosen = resolve(STAGE, backend, _device("x", x))
     if chosen == "triton":
         return triton_quantize.quantize_mxfp8(x)
     if chosen == "torch":
@@ -138,8 +169,9 @@ def quantize_mxfp8(x: torch.Tensor, *, backend: Optional[str] = None):
 
 
 def quantize_mxfp4(x: torch.Tensor, *, backend: Optional[str] = None):
-    """x [M, H] -> (packed uint8 [M, H/2], e8m0 uint8 [M, H/32]); see the reference."""
-    chosen = resolve(STAGE, backend, x.device)
+    """x [M, H] (any strides) -> (packed uint8 [M, H/2], e8m0 uint8 [M, H/32]); see the
+    reference."""
+    chosen = resolve(STAGE, backend, _device("x", x))
     if chosen == "triton":
         return triton_quantize.quantize_mxfp4(x)
     if chosen == "torch":
@@ -149,11 +181,56 @@ def quantize_mxfp4(x: torch.Tensor, *, backend: Optional[str] = None):
 
 def swizzle_scales(sf: torch.Tensor, layout: str, *,
                    backend: Optional[str] = None) -> torch.Tensor:
-    """Linear scales [M, K] uint8 -> [Mp, Kp] uint8 in ``layout`` (padding zero). "flashinfer"
-    (block_scale_interleave, 128x4 only) runs on SM90 too: resolved with ``op="swizzle"``."""
-    chosen = resolve(STAGE, backend, sf.device, op="swizzle")
+    """Linear scales [M, K] uint8 (any strides) -> [Mp, Kp] uint8 in ``layout`` (padding
+    zero). "flashinfer" (block_scale_interleave, 128x4 only) runs on SM90 too: resolved with
+    ``op="swizzle"``."""
+    chosen = resolve(STAGE, backend, _device("sf", sf), op="swizzle")
     if chosen == "triton":
         return triton_quantize.swizzle_scales(sf, layout)
     if chosen == "torch":
         return reference.swizzle_scales(sf, layout)
     return _flashinfer_swizzle_scales(sf, layout)
+
+
+def unswizzle_scales(sf_swizzled: torch.Tensor, layout: str, num_rows: int, num_blocks: int, *,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """[Mp, Kp] (or flat) uint8 scales in ``layout`` -> [num_rows, num_blocks] linear (the
+    inverse of :func:`swizzle_scales`). FlashInfer has no unswizzle: refused with that
+    reason."""
+    chosen = resolve(STAGE, backend, _device("sf_swizzled", sf_swizzled), op="unswizzle")
+    run = triton_quantize.unswizzle_scales if chosen == "triton" else reference.unswizzle_scales
+    return run(sf_swizzled, layout, num_rows, num_blocks)
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
+                     layout: str = "linear", dtype: torch.dtype = torch.float32,
+                     check_values: bool = True, backend: Optional[str] = None) -> torch.Tensor:
+    """The value of each NVFP4 code, ``(e2m1 * f32(sf)) * (1 / global_scale)``: packed
+    [M, H/2] uint8, scales uint8 in ``layout``, global_scale [1] fp32 (its value checked with
+    ``check_values``, one host read) -> [M, H] ``dtype``; the same bits on every backend
+    (``kernels.reference.dequantize_nvfp4``). FlashInfer has no dequantizer."""
+    chosen = resolve(STAGE, backend, _device("packed", packed), op="dequantize")
+    run = triton_quantize.dequantize_nvfp4 if chosen == "triton" else reference.dequantize_nvfp4
+    return run(packed, scales, global_scale, layout=layout, dtype=dtype,
+               check_values=check_values)
+
+
+def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """values [M, H] float8_e4m3fn (or its uint8 bits), scales [M, H/32] uint8 e8m0 ->
+    [M, H] ``dtype`` (``kernels.reference.dequantize_mxfp8``). FlashInfer has no
+    dequantizer."""
+    chosen = resolve(STAGE, backend, _device("values", values), op="dequantize")
+    run = triton_quantize.dequantize_mxfp8 if chosen == "triton" else reference.dequantize_mxfp8
+    return run(values, scales, dtype=dtype)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
+                     dtype: torch.dtype = torch.float32,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """packed [M, H/2] uint8, scales [M, H/32] uint8 e8m0 -> [M, H] ``dtype``
+    (``kernels.reference.dequantize_mxfp4``). FlashInfer has no dequantizer."""
+    chosen = resolve(STAGE, backend, _device("packed", packed), op="dequantize")
+    run = triton_quantize.dequantize_mxfp4 if chosen == "triton" else reference.dequantize_mxfp4
+    return run(packed, scales, dtype=dtype)

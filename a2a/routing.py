@@ -3,7 +3,8 @@
 ``route_topk`` resolves the stage's backend once (``a2a.backends.resolve``) and runs the Triton
 kernel (``kernels.routing``), the torch oracle (``kernels.reference``) or FlashInfer's
 ``fused_topk_deepseek`` (DeepSeek-V3 only; adapter below). All three share one signature and
-one contract (see the routing comment block in ``kernels/reference.py``).
+one contract (the comment block of ``kernels/reference/routing.py``); FlashInfer's face differs
+where that block says (sigmoid rounding in near-ties, NaN scores).
 """
 
 from __future__ import annotations
@@ -66,8 +67,16 @@ def route_topk_flashinfer(logits: torch.Tensor, top_k: int, method: str, *, bias
     the selection is that of the original logits; it costs one cast kernel for bf16 input).
     Its ids come out best first (descending biased score, ties to the smaller id), our order,
     so no re-sorting is needed. Differences from the oracle (sigmoid via tanh, epsilon in the
-    normalisation) are listed in ``kernels/reference.py``; ids can differ on rows with a
-    near-tie.
+    normalisation) are listed in ``kernels/reference/routing.py``; ids can differ on rows with
+    a near-tie.
+
+    NaN (a NaN logit or bias; this face does not rewrite them, which would cost a kernel per
+    call): the kernel compares cub's order-preserving image of the float bits, in which the
+    GPU's NaN (0x7FFFFFFF, positive) lies above +inf, so a NaN biased score ranks first (ties
+    among NaNs to the smaller id), a group holding one has it among its top two, hence a NaN
+    score, and is kept first. Every weight of a row that chose a NaN is NaN (their sum is NaN),
+    with the bits the GPU produced (not ``NAN_WEIGHT_BITS``). The torch and Triton faces rank
+    NaN lowest instead. Route NaN-free logits here, or use backend='triton' for that order.
     """
     num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
                                                  topk_groups, routed_scaling)

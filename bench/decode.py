@@ -22,7 +22,8 @@ the ``bf16`` payload the sender still quantizes and the receiver gathers the bf1
 (bench/targets.py).
 
 Paths (rows): ``triton`` (every op with ``backend="triton"`` and every check that reads the
-device turned off, ``check_ids=False``: no host sync, so a CUDA graph captures the whole chain),
+device turned off, ``check_ids=False`` and ``check_values=False``: no host sync, so a CUDA
+graph captures the whole chain),
 ``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
 step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
 permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
@@ -134,10 +135,11 @@ def triton_steps(routing_backend: str = "triton") -> ChainSteps:
         route=functools.partial(route_topk, backend=routing_backend),
         plan=functools.partial(local_send_plan, check_ids=False),
         global_scale=functools.partial(nvfp4_global_scale, backend="triton"),
-        quantize=functools.partial(quantize_nvfp4, backend="triton"),
+        quantize=functools.partial(quantize_nvfp4, check_values=False, backend="triton"),
         permute=functools.partial(permute_by_expert, check_ids=False, backend="triton"),
-        gather=functools.partial(gather_rows, backend="triton"),
-        unpermute=functools.partial(unpermute_and_reduce, backend="triton"))
+        gather=functools.partial(gather_rows, check_values=False, backend="triton"),
+        unpermute=functools.partial(unpermute_and_reduce, check_values=False,
+                                    backend="triton"))
 
 
 def routing_options(bias: torch.Tensor) -> dict:
@@ -415,7 +417,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     oracle = make_path("torch", lambda: lambda: oracle_chain(inputs, shape))
     oracle = dataclasses.replace(
         oracle, facts=lambda: {"launches": count_launches(oracle.run, device)})
-    return [chain_path("triton", "triton", "timed: the whole chain, Triton, check_ids=False"),
+    return [chain_path("triton", "triton",
+                       "timed: the whole chain, Triton, check_ids/check_values=False"),
             chain_path("flashinfer_routing", "flashinfer",
                        "timed: the chain with FlashInfer's fused_topk_deepseek as its routing "
                        "step, the other steps Triton"),

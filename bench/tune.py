@@ -1,12 +1,12 @@
 """``python -m bench.tune``: time the launch-rule variants of the Triton kernels on one GPU.
 
-The launch rules of the quantize and routing kernels are frozen launch configs
+The launch rules of the quantize, routing and permute kernels are frozen launch configs
 (``kernels.quantize.NVFP4Launch``, ``BlockLaunch``, ``AmaxLaunch``;
-``kernels.routing.RoutingLaunch``) that each launcher takes as ``launch=``. This tool passes
-each variant in turn, checks its output bit for bit against the torch oracle (routing: the
-ids), and times it the way ``python -m bench`` times that stage (CUDA-graph replay; quantize
-with an L2 flush before each call), next to FlashInfer where it has the op. The committed
-defaults are the best rows of such a run, and the JSON it writes
+``kernels.routing.RoutingLaunch``; ``kernels.permute.PermuteLaunch``) that each launcher takes
+as ``launch=``. This tool passes each variant in turn, checks its output bit for bit against
+the torch oracle (routing: the ids), and times it the way ``python -m bench`` times that stage
+(CUDA-graph replay; quantize with an L2 flush before each call), next to FlashInfer where it
+has the op. Defaults are chosen from the rows of such a run, and the JSON it writes
 (``bench/results/tune-<gpu>-<time>.json``) is the record of that choice. The NVFP4 case also
 times ``bench.floor`` (the same bytes read and written with no arithmetic), the yardstick for
 how close the quantizer is to the memory system's limit for its traffic. Flushed cases are also
@@ -15,6 +15,11 @@ the previous call's writes drain during the next one.
 
     python -m bench.tune                     # every kernel
     python -m bench.tune --only nvfp4,routing
+    python -m bench.tune --only routing,permute
+
+The permute cases time both forms of ``permute_by_expert`` (one launch, three passes) at the
+token counts around the rule's branch point; the summary prints the best row of each form per
+case, from which the branch point (``PermuteLaunch.single_max_pairs``) is read.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -36,19 +41,24 @@ from bench.timing import time_graph, time_graph_flushed
 
 SEED = 0
 BIG, SMALL = (8192, 7168), (128, 7168)
+KERNELS = ("nvfp4", "mxfp8", "global_scale", "routing", "permute")
 
 
 @dataclass
 class Case:
     """One op on one shape: ``run(launch)`` returns the output tensors for a launch config
     (None: the launcher's default), ``expected`` the oracle's; ``graph``: plain CUDA-graph
-    replay, else replay with an L2 flush before each call."""
+    replay, else replay with an L2 flush before each call; ``checked``: how many leading
+    outputs are compared bit for bit (None: all; routing: the ids, its weights are checked by
+    the tests); ``kernel``: the ``--only`` name that selects the case."""
 
     name: str
     run: Callable[[object], tuple]
     expected: Callable[[], tuple]
     variants: list  # launch configs; None is the default rule
+    kernel: str
     graph: bool = False
+    checked: Optional[int] = None
     others: dict[str, Callable[[], object]] = field(default_factory=dict)  # e.g. FlashInfer
 
 
@@ -109,16 +119,17 @@ def _quantize_cases(device) -> list[Case]:
             cases.append(Case(
                 f"nvfp4_{layout} [{rows},{hidden}]",
                 _with_launch(lambda x=x, gs=gs, layout=layout, **kw: Q.quantize_nvfp4(
-                    x, gs, layout=layout, **kw)),
+                    x, gs, layout=layout, check_values=False, **kw)),
                 lambda x=x, gs=gs, layout=layout: R.quantize_nvfp4(x, gs, layout=layout),
-                nvfp4_tiles + policies, others=others))
+                nvfp4_tiles + policies, kernel="nvfp4", others=others))
         if rows == BIG[0]:
             cases.append(Case(f"mxfp8 [{rows},{hidden}]",
                               _with_launch(lambda x=x, **kw: Q.quantize_mxfp8(x, **kw)),
-                              lambda x=x: R.quantize_mxfp8(x), tiles))
+                              lambda x=x: R.quantize_mxfp8(x), tiles, kernel="mxfp8"))
         cases.append(Case(f"global_scale [{rows},{hidden}]",
                           _with_launch(lambda x=x, **kw: (Q.nvfp4_global_scale(x, **kw),)),
-                          lambda x=x: (R.nvfp4_global_scale(x),), amax))
+                          lambda x=x: (R.nvfp4_global_scale(x),), amax,
+                          kernel="global_scale"))
     return cases
 
 
@@ -144,8 +155,31 @@ def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str,
     def call():
         out, out_scales = buffers[next(calls) % len(buffers)]
         return Q.quantize_nvfp4(x, gs, layout=layout, out=out, out_scales=out_scales,
-                                launch=launch)
+                                check_values=False, launch=launch)
     return call
+
+
+# DeepSeek-V3 routing is timed beside FlashInfer's fused_topk_deepseek from 1 to 8192 tokens:
+# one row per program up to 1024 tokens, so the small counts time the latency of one program's
+# chain of reductions, 8192 the throughput.
+ROUTING_TOKENS = (1, 16, 64, 128, 512, 2048, 8192)
+
+
+def routing_variants() -> list:
+    """The routing launch variants timed: the default, the form before the int32 rounds, each
+    choice of the default changed alone, and the row and warp counts."""
+    from kernels import routing as K
+    return [None, K.PACKED64_ROUTING,
+            K.RoutingLaunch(keys=K.KEYS_PACKED64),
+            K.RoutingLaunch(group_select=K.GROUP_ROUNDS),
+            K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY),
+            K.RoutingLaunch(weights_from=K.WEIGHTS_LOAD_EACH),
+            K.RoutingLaunch(compact=K.COMPACT_GATHER),
+            K.RoutingLaunch(compact=K.COMPACT_RELOAD),
+            K.RoutingLaunch(compact=K.COMPACT_RELOAD, weights_from=K.WEIGHTS_CARRY),
+            K.RoutingLaunch(num_warps=2),
+            K.RoutingLaunch(rows_per_program=2),
+            K.RoutingLaunch(rows_per_program=4)]
 
 
 def _routing_cases(device) -> list[Case]:
@@ -153,10 +187,8 @@ def _routing_cases(device) -> list[Case]:
     from kernels import reference as R
     from kernels import routing as K
     generator = torch.Generator(device="cpu").manual_seed(SEED)
-    variants = [None] + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2],
-                              compact=[K.COMPACT_NONE, K.COMPACT_GATHER, K.COMPACT_RELOAD])
     cases = []
-    for tokens in (8192, 16):
+    for tokens in ROUTING_TOKENS:
         logits = torch.randn(tokens, 256, generator=generator).to(device)
         bias = (torch.randn(256, generator=generator) * 0.1).to(device)
         args = (logits, 8, "deepseek_v3")
@@ -165,8 +197,8 @@ def _routing_cases(device) -> list[Case]:
             f"deepseek_v3 T={tokens} E=256 k=8 groups 8/4",
             _with_launch(lambda args=args, kwargs=kwargs, **kw: K.route_topk(*args, **kwargs,
                                                                              **kw)),
-            lambda args=args, kwargs=kwargs: R.route_topk(*args, **kwargs), variants,
-            graph=True,
+            lambda args=args, kwargs=kwargs: R.route_topk(*args, **kwargs), routing_variants(),
+            kernel="routing", graph=True, checked=1,
             others={"flashinfer": lambda args=args, kwargs=kwargs: route_topk(
                 *args, **kwargs, backend="flashinfer")}))
     softmax = torch.randn(8192, 128, generator=generator).to(device)
@@ -174,14 +206,69 @@ def _routing_cases(device) -> list[Case]:
         "softmax_topk T=8192 E=128 k=4",
         _with_launch(lambda **kw: K.route_topk(softmax, 4, "softmax_topk", **kw)),
         lambda: R.route_topk(softmax, 4, "softmax_topk"),
-        [None] + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2]),
-        graph=True))
+        [None, K.RoutingLaunch(keys=K.KEYS_PACKED64),
+         K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY)]
+        + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2]),
+        kernel="routing", graph=True, checked=1))
     return cases
 
 
-def _same(actual: tuple, expected: tuple, ids_only: bool) -> bool:
-    """Bit-equal outputs (routing: the ids; its weights are checked by the tests)."""
-    pairs = list(zip(actual, expected))[:1] if ids_only else zip(actual, expected)
+# permute_by_expert: (tokens, experts, align); k = 8, all experts local, ids uniform over [0, E)
+# (check_ids=False, as the bench times it: no host read). E=256 at the issue's token counts and
+# around the branch point of the rule (2048 pairs: 256 tokens); E=64 and 384 at a few.
+PERMUTE_SHAPES = ([(t, 256, a) for a in (1, 128) for t in (1, 16, 64, 128, 256, 512, 1024, 8192)]
+                  + [(t, e, a) for e in (64, 384) for a in (1, 128) for t in (16, 256, 8192)])
+# The one-launch form is not timed past this many pairs (its every program compares a slice
+# with all T*k ids: far slower there, by construction).
+PERMUTE_SINGLE_MAX_TIMED = 16384
+
+
+def permute_variants(num_pairs: int) -> list:
+    """The permute launch variants timed at ``num_pairs`` = T*k pairs: the default rule, each
+    form forced with its knobs varied one at a time, and the three-pass form as it was before
+    the one-launch form (one-hot ranks)."""
+    from kernels import permute as K
+    single = [K.PermuteLaunch(form="single"),
+              K.PermuteLaunch(form="single", single_warps=4),
+              K.PermuteLaunch(form="single", single_warps=16),
+              K.PermuteLaunch(form="single", single_programs=64),
+              K.PermuteLaunch(form="single", single_programs=256),
+              K.PermuteLaunch(form="single", single_fill=8192)]
+    three = [K.PermuteLaunch(form="three_pass"),
+             K.PermuteLaunch(form="three_pass", block_pairs=256),
+             K.PermuteLaunch(form="three_pass", place_warps=4),
+             K.PermuteLaunch(form="three_pass", scan_blocks=512, expert_chunk=4),
+             K.PermuteLaunch(form="three_pass", scan_blocks=128, expert_chunk=32),
+             K.ONEHOT_PERMUTE]
+    return [None] + (single if num_pairs <= PERMUTE_SINGLE_MAX_TIMED else []) + three
+
+
+def _permute_cases(device) -> list[Case]:
+    from kernels import permute as K
+    from kernels import reference as R
+    generator = torch.Generator(device="cpu").manual_seed(SEED)
+    cases = []
+    for tokens, experts, align in PERMUTE_SHAPES:
+        ids = torch.randint(0, experts, (tokens, 8), generator=generator,
+                            dtype=torch.int32).to(device)
+
+        def fields(permutation):
+            return (permutation.source_rows, permutation.expert_counts,
+                    permutation.expert_offsets, permutation.inverse)
+
+        cases.append(Case(
+            f"permute T={tokens} E={experts} k=8 align={align}",
+            _with_launch(lambda ids=ids, experts=experts, align=align, fields=fields, **kw: fields(
+                K.permute_by_expert(ids, experts, align=align, check_ids=False, **kw))),
+            lambda ids=ids, experts=experts, align=align, fields=fields: fields(
+                R.permute_by_expert(ids, experts, align=align)),
+            permute_variants(tokens * 8), kernel="permute", graph=True))
+    return cases
+
+
+def _same(actual: tuple, expected: tuple, checked: Optional[int]) -> bool:
+    """Bit-equal outputs, the first ``checked`` of them (None: all)."""
+    pairs = list(zip(actual, expected))[:checked]
     return all(a.shape == e.shape and torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1
                                                   else a, e.view(torch.uint8)
                                                   if e.dtype.itemsize == 1 else e)
@@ -214,7 +301,7 @@ def run_case(case: Case) -> list[dict]:
     for launch in case.variants:
         label = variant_label(launch)
         try:
-            ok = _same(case.run(launch), expected, ids_only=case.graph)
+            ok = _same(case.run(launch), expected, case.checked)
             times = _times(lambda launch=launch: case.run(launch), case.graph) if ok else {}
             rows.append(dict(case=case.name, variant=label, ok=ok, **times))
         except Exception as error:  # noqa: BLE001
@@ -223,10 +310,32 @@ def run_case(case: Case) -> list[dict]:
     return rows
 
 
+def print_forms(rows: list[dict]) -> None:
+    """For the permute cases: the best time of each forced form (``form=...`` in the variant
+    label) and the default rule's, per case: where the one-launch form stops winning is the
+    branch point of ``PermuteLaunch``'s rule."""
+    best: dict = {}
+    for row in rows:
+        if not (row["case"].startswith("permute") and row["ok"] and row.get("time_us")):
+            continue
+        form = next((part.split("=")[1] for part in row["variant"].split(",")
+                     if part.startswith("form=")), "rule")
+        key = (row["case"], form)
+        if key not in best or row["time_us"] < best[key]["time_us"]:
+            best[key] = row
+    if not best:
+        return
+    print("\npermute, best per form (us):")
+    for case in dict.fromkeys(c for c, _ in best):
+        cells = [f"{form} {best[(case, form)]['time_us']:7.2f}"
+                 for form in ("single", "three_pass", "rule") if (case, form) in best]
+        print(f"  {case:40s} " + "   ".join(cells))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="nvfp4,mxfp8,global_scale,routing",
-                        help="comma-separated: nvfp4, mxfp8, global_scale, routing")
+    parser.add_argument("--only", default=",".join(KERNELS),
+                        help=f"comma-separated, among: {', '.join(KERNELS)}")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                         help="folder for the tune-<gpu>-<time>.json record (default: "
                              "bench/results)")
@@ -235,8 +344,13 @@ def main(argv=None) -> None:
         sys.exit("bench.tune times kernels on a GPU; none is visible")
     device = torch.device("cuda", 0)
     wanted = args.only.split(",")
-    cases = [c for c in _quantize_cases(device) + _routing_cases(device)
-             if any(c.name.startswith(w) or (w == "routing" and "T=" in c.name) for w in wanted)]
+    unknown = sorted(set(wanted) - set(KERNELS))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: not among {', '.join(KERNELS)}")
+    builders = [(("nvfp4", "mxfp8", "global_scale"), _quantize_cases),
+                (("routing",), _routing_cases), (("permute",), _permute_cases)]
+    cases = [c for kernels, build in builders if set(kernels) & set(wanted)
+             for c in build(device) if c.kernel in wanted]
     rows = [row for case in cases for row in run_case(case)]
     stamp = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
     gpu = gpu_name(device)
@@ -256,6 +370,7 @@ def main(argv=None) -> None:
         print(f"  {case:40s} {row['time_us']:8.2f} us  {row['variant']}"
               + (f"  (default {default['time_us']:.2f})" if default and default.get("time_us")
                  else ""))
+    print_forms(rows)
     print(f"wrote {path}")
 
 

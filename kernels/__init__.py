@@ -3,3 +3,7 @@
 Pure compute: nothing here imports torch.distributed, FlashInfer or ``a2a``. One module per op
 holds its ``@triton.jit`` kernels and launcher; ``kernels.types`` holds the shared result types.
 """
+
+# Marks this package as triton-moe-a2a's ``kernels`` (another distribution, the Hugging Face
+# hub loader, installs a top-level ``kernels`` too; ``a2a`` checks for this mark).
+PROJECT = "triton-moe-a2a"

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from kernels.casting import round_to
-from kernels.spec.permute import check_gather_inputs, check_unpermute_inputs
-from kernels.spec.tensors import check_tensor
+from kernels.spec.permute import (check_gather_inputs, check_gather_values,
+                                  check_unpermute_inputs, check_unpermute_values)
 from kernels.types import UNUSED, Permutation
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
@@ -54,23 +54,28 @@ GATHER_TILE_WORDS = 4096
 GATHER_TILE_WORDS_PER_ROW = 512
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """View a contiguous 2-D tensor's rows as the widest of int32/int16/uint8 words that divides
-    the row size in bytes (4-byte words give 16-byte vectors of 4)."""
+def _word_dtype(t: torch.Tensor) -> torch.dtype:
+    """The widest of int32/int16/uint8 that divides both the row size and the offset of the
+    contiguous 2-D tensor ``t`` in bytes (4-byte words give 16-byte vectors of 4)."""
     row_bytes = t.shape[1] * t.element_size()
-    raw = t.view(torch.uint8)
+    offset_bytes = t.storage_offset() * t.element_size()
     for word in (torch.int32, torch.int16):
-        if row_bytes % word.itemsize == 0:
-            return raw.view(word)
-    return raw
+        if row_bytes % word.itemsize == 0 and offset_bytes % word.itemsize == 0:
+            return word
+    return torch.uint8
 
 
 def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The gather of contiguous ``table`` rows by contiguous ``rows`` (checked arguments)."""
     out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
     if out.numel() == 0:
         return out
-    table_words, out_words = _as_words(table), _as_words(out)
-    row_words = table_words.shape[1]
+    word = _word_dtype(table)
+    row_words = table.shape[1] * table.element_size() // word.itemsize
+    # flat first: a contiguous tensor with a size-1 dim may carry any stride there
+    table_words = table.reshape(-1).view(torch.uint8).view(word).reshape(table.shape[0],
+                                                                         row_words)
+    out_words = out.view(torch.uint8).view(word)
     block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(row_words))
     block_rows = GATHER_TILE_WORDS // block_words
     grid = (triton.cdiv(rows.numel(), block_rows), triton.cdiv(row_words, block_words))
@@ -80,33 +85,39 @@ def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch
     return out
 
 
-def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
-                top_k: int = 1) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``; equal, bit
-    for bit, to ``kernels.reference.gather_rows``.
+def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
+                scales: Optional[torch.Tensor] = None, top_k: Optional[int] = None,
+                check_values: bool = True
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``; equal, byte
+    for byte, to ``kernels.reference.gather_rows`` (same arguments, same errors).
 
-    Pass ``rows = permutation.source_rows`` with ``top_k = permutation.top_k`` to gather token
-    rows into expert-major order; ``top_k=1`` reads ``rows`` as token ids.
+    Pass the :class:`Permutation` itself as ``rows`` to gather token rows into expert-major
+    order (its ``source_rows`` and ``top_k`` are used); or a tensor of rows with ``top_k``
+    (default 1: ``rows`` are token ids).
 
     Arguments:
-        x: [T, W] contiguous, any dtype (bf16/fp16/fp32 rows, packed NVFP4 uint8 [T, H/2], ...).
-        rows: [P] int32, the source of each output row: ``UNUSED`` (-1) gives a zero row,
-            otherwise ``[0, T*top_k)``. Not range-checked here (that would sync): a value
-            outside also gives a zero row, where the oracle raises.
-        scales: optional [T, Ws] contiguous (e.g. NVFP4 scales uint8 [T, H/16], linear layout),
-            gathered with the same rows.
-        top_k: how many consecutive ``rows`` values map to one row of ``x``.
+        x: [T, W] any dtype and strides (bf16/fp16/fp32 rows, packed NVFP4 uint8 [T, H/2],
+            ...); a non-contiguous x is copied to a contiguous tensor first.
+        rows: a Permutation, or [P] int32 (any strides), the source of each output row:
+            ``UNUSED`` (-1) gives a zero row, otherwise ``[0, T*top_k)``.
+        scales: optional [T, Ws] (e.g. NVFP4 scales uint8 [T, H/16], linear layout), gathered
+            with the same rows.
+        top_k: how many consecutive ``rows`` values map to one row of ``x``; with a
+            Permutation leave it out (or pass the permutation's).
+        check_values: True: read the range of ``rows`` (one host sync) and raise ValueError
+            for an entry neither UNUSED nor in ``[0, T*top_k)``. False: no sync (CUDA graphs);
+            such an entry gives a zero row, as on every face.
 
     Returns:
         out: [P, W] in ``x``'s dtype; or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
     """
-    check_gather_inputs(x, rows, scales, top_k)
-    check_tensor("x", x, contiguous=True)
-    check_tensor("rows", rows, contiguous=True)
-    if scales is not None:
-        check_tensor("scales", scales, contiguous=True)
-    out = _launch_gather(x, rows, top_k)
-    return out if scales is None else (out, _launch_gather(scales, rows, top_k))
+    rows, top_k = check_gather_inputs(x, rows, scales, top_k)
+    if check_values:
+        check_gather_values(rows, x.shape[0], top_k)
+    rows = rows.contiguous()
+    out = _launch_gather(x.contiguous(), rows, top_k)
+    return out if scales is None else (out, _launch_gather(scales.contiguous(), rows, top_k))
 
 
 # =============================================================================================
@@ -147,32 +158,40 @@ UNPERMUTE_BLOCK_COLS = 1024
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
-                         topk_weights: torch.Tensor) -> torch.Tensor:
+                         topk_weights: torch.Tensor, *,
+                         check_values: bool = True) -> torch.Tensor:
     """Weighted sum of each token's permuted rows, back in token order; bit-identical to
-    ``kernels.reference.unpermute_and_reduce`` (same float32 operations in the same order).
+    ``kernels.reference.unpermute_and_reduce`` (same float32 operations in the same order, the
+    same rounding and canonical NaN, the same errors).
 
     Arguments:
-        expert_out: [P, H] bf16/fp16/fp32, contiguous, one row per permuted row.
+        expert_out: [P, H] bf16/fp16/fp32, any strides (copied to a contiguous tensor when
+            not contiguous), one row per permuted row.
         permutation: the :class:`Permutation` the rows were gathered with.
-        topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weight of each slot.
+        topk_weights: [T, k] fp32 (bf16/fp16 accepted), any strides, the routing weight of
+            each slot.
+        check_values: True: read the range of ``permutation.inverse`` (one host sync) and
+            raise ValueError for an entry neither UNUSED nor in ``[0, P)``. False: no sync
+            (CUDA graphs); such a slot counts as not owned, as on every face.
 
     Returns:
         out: [T, H] in ``expert_out``'s dtype; a token with no owned slot gives a zero row.
     """
     check_unpermute_inputs(expert_out, permutation, topk_weights)
-    check_tensor("expert_out", expert_out, contiguous=True)
-    check_tensor("permutation.inverse", permutation.inverse, contiguous=True)
+    if check_values:
+        check_unpermute_values(permutation)
     num_tokens, top_k = topk_weights.shape
     hidden = expert_out.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
     if out.numel() == 0:
         return out
+    expert_out = expert_out.contiguous()
     block_cols = min(UNPERMUTE_BLOCK_COLS, triton.next_power_of_2(hidden))
     block_tokens = UNPERMUTE_TILE // block_cols
     grid = (triton.cdiv(num_tokens, block_tokens), triton.cdiv(hidden, block_cols))
     _unpermute_and_reduce_kernel[grid](
-        expert_out, permutation.inverse, topk_weights, out, num_tokens, expert_out.shape[0],
-        hidden, topk_weights.stride(0), topk_weights.stride(1), TOP_K=top_k,
-        BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols, num_warps=4,
+        expert_out, permutation.inverse.contiguous(), topk_weights, out, num_tokens,
+        expert_out.shape[0], hidden, topk_weights.stride(0), topk_weights.stride(1),
+        TOP_K=top_k, BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols, num_warps=4,
         enable_fp_fusion=False)
     return out

@@ -2,13 +2,21 @@
 (:class:`Permutation`), a stable, atomic-free counting sort, with the signature of its oracle in
 ``kernels.reference.permute``. The rows move with ``kernels.gather``.
 
+Two forms, chosen by a fixed rule from T*k and E_local (:class:`PermuteLaunch`):
+
+- one launch for small batches (decode): every program reads all the ids (T*k int32, a few KB
+  from L2), counts and scans them itself, places a slice of the pairs and writes its share of
+  the UNUSED padding. Its time is one program's chain, not three launches.
+- three launches for large batches (count, scan, place), whose work spreads over the blocks.
+
 Determinism: no pass depends on the order of atomics; the same input gives bit-identical
-output on every run (the histogram's shared-memory atomics add integers, whose sum does not
-depend on their order).
+output on every run (tl.histogram adds integers in shared memory, whose sum does not depend on
+their order).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -16,18 +24,196 @@ import triton
 import triton.language as tl
 
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
-from kernels.spec.tensors import check_expert_ids, check_tensor
+from kernels.spec.tensors import check_expert_ids
 from kernels.types import UNUSED, Permutation
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
 UNUSED_ENTRY = tl.constexpr(UNUSED)
 
+# How pass 3 of the three-pass form ranks a pair among its block's earlier pairs of its expert
+# (the ``RANK`` constexpr):
+RANK_COMPARE = 0     # one compare of the block with itself ([BLOCK, BLOCK])
+RANK_ONEHOT = 1      # the column cumsum of a [BLOCK, EXPERT_CHUNK] one-hot tile, chunk by chunk
+
+# tl.histogram keeps at least one bin per lane of a warp.
+MIN_HISTOGRAM_BINS = 32
+# Elements of the one-launch form's [slice, all pairs] compare: 128 per thread at 8 warps. Past
+# it a slice shrinks (to 8 pairs at least) and more programs share the pairs.
+SINGLE_COMPARE_TILE = 2**15
+
+
+@dataclass(frozen=True)
+class PermuteLaunch:
+    """Launch rule of ``permute_by_expert`` (``python -m bench.tune`` times the alternatives and
+    records them in bench/results/tune-*.json).
+
+    The form: the one-launch form runs when ``T*k <= single_max_pairs * 512 / max(512, bins)``,
+    bins = E_local rounded up to a power of two: every program of it counts all T*k ids into
+    ``bins`` bins, whose cost per id grows with the bins. The branch point is where the tune run
+    on an H200 saw the three-pass form win (between 2048 and 4096 pairs with align=128, E=256;
+    the one-launch form still won at 2048 pairs with E=384). ``form`` forces one ("single",
+    "three_pass"; None: the rule).
+
+    One-launch form:
+        single_programs: about this many programs place the pairs (one more counts them), in
+            slices of a power of two >= 8 pairs; each compares its slice with all T*k ids, so
+            about one program per SM of an H200 (132) spreads that work evenly.
+        single_warps: warps per program (4: the best of 1, 4, 8 and 16 in the tune run, at
+            every size the form is chosen for).
+        single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
+            programs where the padding needs them (with align=128 and few tokens,
+            ``P = T*k + E_local*127`` is mostly padding).
+    Three-pass form:
+        block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
+            pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
+            which 256 pairs overflows into spills).
+        scan_blocks, expert_chunk: pass 2's tile [scan_blocks, expert_chunk]: one program per
+            chunk of experts (32 programs for E_local=256), down the blocks in steps of
+            scan_blocks (one step at T=8192, k=8); 4 warps hold 4096 values without spilling,
+            8192 not.
+            expert_chunk is also the chunk of RANK_ONEHOT's tile.
+        place_warps: warps per program of pass 3 (4: the best of 4 and 8 in the tune run).
+        place_rank: ``RANK_COMPARE`` ([block, block] compare) or ``RANK_ONEHOT``.
+    """
+
+    form: Optional[str] = None
+    single_max_pairs: int = 2048
+    single_programs: int = 128
+    single_warps: int = 4
+    single_fill: int = 2048
+    block_pairs: int = 128
+    scan_blocks: int = 512
+    expert_chunk: int = 8
+    place_warps: int = 4
+    place_rank: int = RANK_COMPARE
+
+    def chooses_single(self, num_pairs: int, num_local_experts: int) -> bool:
+        """Whether ``T*k = num_pairs`` pairs over ``num_local_experts`` run the one-launch form."""
+        if self.form is not None:
+            if self.form not in FORMS:
+                raise ValueError(f"PermuteLaunch.form={self.form!r} must be one of {FORMS} or "
+                                 f"None (the rule)")
+            return self.form == "single"
+        bins = histogram_bins(num_local_experts)
+        return num_pairs * max(512, bins) <= self.single_max_pairs * 512
+
+
+FORMS = ("single", "three_pass")
+DEFAULT_PERMUTE = PermuteLaunch()
+# The three-pass form as it was before the one-launch form (one-hot ranks in pass 3, blocks of
+# 256 pairs, pass 2 on [128, 32] tiles).
+ONEHOT_PERMUTE = PermuteLaunch(form="three_pass", place_rank=RANK_ONEHOT, block_pairs=256,
+                               scan_blocks=128, expert_chunk=32)
+
+
+def histogram_bins(num_local_experts: int) -> int:
+    """Bins of the expert histograms: E_local rounded up to a power of two, at least 32."""
+    return max(MIN_HISTOGRAM_BINS, triton.next_power_of_2(num_local_experts))
+
 
 # =============================================================================================
-# permute_by_expert: a three-pass counting sort
+# The one-launch form
 # =============================================================================================
 #
-# Worked example (BLOCK_PAIRS = 4 here for the picture; 256 in the launcher):
+# Program 0 loads all T*k ids, counts the owned pairs of each local expert (tl.histogram), scans
+# the padded counts and stores expert_counts, expert_offsets and the id range. Program g >= 1
+# places the slice of pairs [(g-1)*SLICE, g*SLICE): with key(q) = e_q * ALL_PAIRS + q for an
+# owned pair q of local expert e_q, the pairs before pair p in expert-major order are the owned
+# q with key(q) < key(p), so
+#     place(p) = #{owned q : key(q) < key(p)} + padding(e_p),
+# one compare of the slice with all ids ([SLICE, ALL_PAIRS]), where padding(e) = the alignment
+# rows of the experts before e (0 with align = 1; else each such program also counts and scans
+# the ids). Every program then writes UNUSED into rows that are no pair's place, so that no two
+# programs write one entry: the padding [start(e) + count(e), start(e + 1)) of experts
+# g*FILL_EXPERTS, ... (every G*FILL_EXPERTS-th stretch of experts), and every G-th TAIL_BLOCK of
+# the unused tail [expert_offsets[-1], P).
+#
+# Example (the three-pass example below): counts [3, 1, 3], padded [4, 2, 4], starts [0, 4, 6],
+# tail [10, 11). Pair 5 (expert 2): the owned pairs before it in expert-major order are the 3
+# of expert 0, the 1 of expert 1 and pair 0 of expert 2, so 5, plus padding(2) = 1 + 1 = 2:
+# place 7. Padding rows: 3 (expert 0), 5 (expert 1), 9 (expert 2) and the tail, 10.
+
+
+@triton.jit
+def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
+                           expert_offsets_ptr, inverse_ptr, id_range_ptr, num_pairs, capacity,
+                           first_expert, num_local_experts, align,
+                           ALL_PAIRS: tl.constexpr, SLICE: tl.constexpr, BINS: tl.constexpr,
+                           FILL_EXPERTS: tl.constexpr, ALIGN_TILE: tl.constexpr,
+                           TAIL_BLOCK: tl.constexpr):
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    # The slice is loaded first: its load overlaps the one of all ids.
+    mine = (program - 1) * SLICE + tl.arange(0, SLICE)
+    mine_valid = (mine >= 0) & (mine < num_pairs)
+    my_local = tl.load(topk_ids_ptr + mine, mask=mine_valid, other=0) - first_expert
+    my_owned = mine_valid & (my_local >= 0) & (my_local < num_local_experts)
+
+    pairs = tl.arange(0, ALL_PAIRS)
+    valid = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
+    local = ids - first_expert
+    owned = valid & (local >= 0) & (local < num_local_experts)
+    bins = tl.arange(0, BINS)
+    if ALIGN_TILE > 0:  # align > 1: every program needs the padded segments
+        counts = tl.histogram(tl.where(owned, local, 0), BINS, mask=owned)      # [BINS]
+        padded = (counts + align - 1) // align * align
+        starts = tl.cumsum(padded, axis=0) - padded                # expert_offsets[:-1]
+        used = tl.sum(padded, axis=0)                              # expert_offsets[-1]
+    else:
+        used = tl.sum(owned.to(tl.int32), axis=0)
+    if program == 0:
+        if ALIGN_TILE == 0:
+            counts = tl.histogram(tl.where(owned, local, 0), BINS, mask=owned)
+            starts = tl.cumsum(counts, axis=0) - counts
+        tl.store(expert_counts_ptr + bins, counts, mask=bins < num_local_experts)
+        tl.store(expert_offsets_ptr + bins, starts, mask=bins < num_local_experts)
+        tl.store(expert_offsets_ptr + num_local_experts, used)
+        # (masked pairs read 0, a valid id: they move neither end of the range)
+        tl.store(id_range_ptr, tl.min(ids, axis=0))
+        tl.store(id_range_ptr + 1, tl.max(ids, axis=0))
+    else:
+        keys = tl.where(owned, local * ALL_PAIRS + pairs, 2**30)  # unowned: after all
+        my_keys = my_local * ALL_PAIRS + mine
+        place = tl.sum((keys[None, :] < my_keys[:, None]).to(tl.int32), axis=1)   # [SLICE]
+        if ALIGN_TILE > 0:
+            # the padding rows before each segment: start - owned pairs of earlier experts
+            padding = starts - (tl.cumsum(counts, axis=0) - counts)
+            place += tl.gather(padding, tl.where(my_owned, my_local, 0), axis=0)
+        tl.store(source_rows_ptr + place, mine, mask=my_owned)
+        tl.store(inverse_ptr + mine, tl.where(my_owned, place, UNUSED_ENTRY), mask=mine_valid)
+
+    if ALIGN_TILE > 0:  # the padding inside the segments
+        pad_starts = starts + counts
+        pad_lengths = padded - counts
+        first = program * FILL_EXPERTS
+        while first < num_local_experts:
+            experts = first + tl.arange(0, FILL_EXPERTS)
+            expert_ok = experts < num_local_experts
+            which = tl.where(expert_ok, experts, 0)
+            row = tl.gather(pad_starts, which, axis=0)
+            length = tl.where(expert_ok, tl.gather(pad_lengths, which, axis=0), 0)
+            step = 0
+            while step < align - 1:                                # length < align
+                cols = step + tl.arange(0, ALIGN_TILE)
+                tl.store(source_rows_ptr + row[:, None] + cols[None, :],
+                         tl.full([FILL_EXPERTS, ALIGN_TILE], UNUSED_ENTRY, tl.int32),
+                         mask=cols[None, :] < length[:, None])
+                step += ALIGN_TILE
+            first += programs * FILL_EXPERTS
+    start = used + program * TAIL_BLOCK
+    while start < capacity:
+        rows = start + tl.arange(0, TAIL_BLOCK)
+        tl.store(source_rows_ptr + rows, tl.full([TAIL_BLOCK], UNUSED_ENTRY, tl.int32),
+                 mask=rows < capacity)
+        start += programs * TAIL_BLOCK
+
+
+# =============================================================================================
+# The three-pass form
+# =============================================================================================
+#
+# Worked example (BLOCK_PAIRS = 4 here for the picture; 128 by default):
 #   topk_ids = [[2, 0], [2, 1], [0, 2], [5, 0]]  (T=4, k=2), num_experts = 6, first_expert = 0,
 #   E_local = 3 (id 5 is another rank's), align = 2, so P = 8 + 3*1 = 11.
 #   flat pairs  0  1  2  3 | 4  5  6  7
@@ -44,8 +230,9 @@ UNUSED_ENTRY = tl.constexpr(UNUSED)
 # Pass 3, one program per block; every program scans the padded counts ([4, 2, 4] here) into
 #   expert_offsets = [0, 4, 6, 10] (program 0 stores them), then places its pairs:
 #   place = expert_offsets[e] + block_starts[b, e] + rank - 1, where rank (from 1) counts the
-#   block's pairs of expert e up to this one: the column cumsum of the one-hot matrix
-#   [BLOCK_PAIRS, E_local], read at the pair's own column.
+#   block's pairs of expert e up to this one (RANK_COMPARE: a [BLOCK_PAIRS, BLOCK_PAIRS]
+#   compare of the block with itself; RANK_ONEHOT: the column cumsum of the one-hot matrix
+#   [BLOCK_PAIRS, EXPERT_CHUNK], read at the pair's own column).
 #   block 0: experts [2, 0, 2, 1], ranks [1, 1, 2, 1] -> places [6, 0, 7, 4]
 #   block 1: experts [0, 2, -, 0], ranks [1, 1, -, 2] -> places [1, 8, -, 2]
 #   source_rows = [1, 4, 7, U, 3, U, 0, 2, 5, U, U]        (U = UNUSED)
@@ -123,50 +310,55 @@ def _scan_blocks_kernel(block_counts_ptr, block_starts_ptr, expert_counts_ptr,
 @triton.jit
 def _place_pairs_kernel(topk_ids_ptr, block_starts_ptr, expert_counts_ptr, expert_offsets_ptr,
                         source_rows_ptr, inverse_ptr, num_pairs, first_expert, num_local_experts,
-                        align, BLOCK_PAIRS: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
-    """Pass 3: the place of each pair of the block, chunk of experts by chunk; writes
-    ``source_rows`` and ``inverse`` (and ``expert_offsets`` from program 0)."""
+                        align, BLOCK_PAIRS: tl.constexpr, EXPERT_CHUNK: tl.constexpr,
+                        BINS: tl.constexpr, RANK: tl.constexpr):
+    """Pass 3: the place of each pair of the block; writes ``source_rows`` and ``inverse``
+    (and ``expert_offsets`` from program 0)."""
     block = tl.program_id(0)
     pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
     valid = pairs < num_pairs
     local = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1) - first_expert
     owned = valid & (local >= 0) & (local < num_local_experts)
     local = tl.where(owned, local, -1)               # matches no expert column
-    place = tl.zeros([BLOCK_PAIRS], tl.int32)
-    segment_end = tl.full([], 0, tl.int32)           # padded rows of the earlier chunks
-    first = 0
-    while first < num_local_experts:
-        experts = first + tl.arange(0, EXPERT_CHUNK)
-        expert_ok = experts < num_local_experts
-        counts = tl.load(expert_counts_ptr + experts, mask=expert_ok, other=0)
+    if RANK == 0:  # RANK_COMPARE: all experts' offsets at once, the rank by one compare
+        bins = tl.arange(0, BINS)
+        counts = tl.load(expert_counts_ptr + bins, mask=bins < num_local_experts, other=0)
         padded = (counts + align - 1) // align * align
-        offsets = segment_end + tl.cumsum(padded, axis=0) - padded
-        segment_end += tl.sum(padded, axis=0)
+        offsets = tl.cumsum(padded, axis=0) - padded
         if block == 0:
-            tl.store(expert_offsets_ptr + experts, offsets, mask=expert_ok)
-        # (program 0 runs even when there are no pairs and no block_starts row to read)
-        starts = tl.load(block_starts_ptr + block * num_local_experts + experts,
-                         mask=expert_ok & (block * BLOCK_PAIRS < num_pairs), other=0)
-        hit = (local[:, None] == experts[None, :]).to(tl.int32)    # [BLOCK_PAIRS, EXPERT_CHUNK]
-        rank = tl.cumsum(hit, axis=0)
-        place += tl.sum(hit * (offsets[None, :] + starts[None, :] + rank - 1), axis=1)
-        first += EXPERT_CHUNK
-    if block == 0:
-        tl.store(expert_offsets_ptr + num_local_experts, segment_end)
+            tl.store(expert_offsets_ptr + bins, offsets, mask=bins < num_local_experts)
+            tl.store(expert_offsets_ptr + num_local_experts, tl.sum(padded, axis=0))
+        expert = tl.where(owned, local, 0)
+        starts = tl.load(block_starts_ptr + block * num_local_experts + expert, mask=owned,
+                         other=0)
+        within = tl.arange(0, BLOCK_PAIRS)
+        earlier = (local[None, :] == local[:, None]) & (within[None, :] < within[:, None])
+        place = (tl.gather(offsets, expert, axis=0) + starts
+                 + tl.sum(earlier.to(tl.int32), axis=1))
+    else:  # RANK_ONEHOT
+        place = tl.zeros([BLOCK_PAIRS], tl.int32)
+        segment_end = tl.full([], 0, tl.int32)       # padded rows of the earlier chunks
+        first = 0
+        while first < num_local_experts:
+            experts = first + tl.arange(0, EXPERT_CHUNK)
+            expert_ok = experts < num_local_experts
+            counts = tl.load(expert_counts_ptr + experts, mask=expert_ok, other=0)
+            padded = (counts + align - 1) // align * align
+            offsets = segment_end + tl.cumsum(padded, axis=0) - padded
+            segment_end += tl.sum(padded, axis=0)
+            if block == 0:
+                tl.store(expert_offsets_ptr + experts, offsets, mask=expert_ok)
+            # (program 0 runs even when there are no pairs and no block_starts row to read)
+            starts = tl.load(block_starts_ptr + block * num_local_experts + experts,
+                             mask=expert_ok & (block * BLOCK_PAIRS < num_pairs), other=0)
+            hit = (local[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_PAIRS, CHUNK]
+            rank = tl.cumsum(hit, axis=0)
+            place += tl.sum(hit * (offsets[None, :] + starts[None, :] + rank - 1), axis=1)
+            first += EXPERT_CHUNK
+        if block == 0:
+            tl.store(expert_offsets_ptr + num_local_experts, segment_end)
     tl.store(source_rows_ptr + place, pairs, mask=owned)
     tl.store(inverse_ptr + pairs, tl.where(owned, place, UNUSED_ENTRY), mask=valid)
-
-
-# Pairs per block of passes 1 and 3: T=8192, k=8 gives 256 blocks, about two per SM of an H200.
-# Pass 3's one-hot tile [BLOCK_PAIRS, EXPERT_CHUNK] is 32 int32 per thread at 8 warps.
-BLOCK_PAIRS = 256
-EXPERT_CHUNK = 32
-PLACE_WARPS = 8
-# Pass 2 tile [SCAN_BLOCKS, EXPERT_CHUNK]: 4096 int32, 32 per thread at 4 warps; T*k = 65536
-# takes two steps down the blocks.
-SCAN_BLOCKS = 128
-# tl.histogram keeps at least one bin per lane of a warp.
-MIN_HISTOGRAM_BINS = 32
 
 
 def _pieces(*sizes: int) -> list[int]:
@@ -175,46 +367,87 @@ def _pieces(*sizes: int) -> list[int]:
     return [-(-size // 32) * 32 for size in sizes]
 
 
-def _launch_permute(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
-                    num_local_experts: int, align: int, check_ids: bool) -> Permutation:
-    """The three passes on checked arguments (everything but the id range). Two allocations
-    (the results, one scratch buffer), three launches; with ``check_ids`` one host read of
-    the id range after the launches."""
+def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
+                   capacity, first_expert, num_local_experts, align, launch: PermuteLaunch):
+    num_pairs = topk_ids.numel()
+    warps = launch.single_warps
+    all_pairs = max(triton.next_power_of_2(num_pairs), 32 * warps)
+    if all_pairs * num_local_experts >= 2**30:
+        raise ValueError(f"T*k={num_pairs} pairs over E_local={num_local_experts} experts are too "
+                         f"many for the one-launch form's int32 keys; use "
+                         f"PermuteLaunch(form='three_pass') or the default rule")
+    slice_pairs = max(8, min(triton.next_power_of_2(triton.cdiv(num_pairs, launch.single_programs)),
+                             SINGLE_COMPARE_TILE // all_pairs))
+    programs = max(1 + triton.cdiv(num_pairs, slice_pairs),
+                   triton.cdiv(capacity, launch.single_fill))
+    # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no
+    # padding), FILL_EXPERTS experts of about 32 entries per thread.
+    align_tile = min(triton.next_power_of_2(align - 1), 1024) if align > 1 else 0
+    fill_experts = max(1, min(triton.next_power_of_2(num_local_experts),
+                              32 * 32 * warps // max(align_tile, 1)))
+    _permute_single_kernel[(programs,)](
+        topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range, num_pairs,
+        capacity, first_expert, num_local_experts, align,
+        # at least one id per thread: no replicated layout under the histogram
+        ALL_PAIRS=all_pairs, SLICE=slice_pairs,
+        BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
+        ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, triton.next_power_of_2(launch.single_fill)),
+        num_warps=warps)
+
+
+def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
+                       capacity, first_expert, num_local_experts, align,
+                       launch: PermuteLaunch):
     device = topk_ids.device
     num_pairs = topk_ids.numel()
-    capacity = permutation_capacity(num_pairs, num_local_experts, align)
-    num_blocks = triton.cdiv(num_pairs, BLOCK_PAIRS)
-
-    # Results: views of one int32 allocation.
-    sizes = (capacity, num_local_experts, num_local_experts + 1, num_pairs)
-    padded = _pieces(*sizes)
-    results = torch.empty(sum(padded), dtype=torch.int32, device=device)
-    source_rows, expert_counts, expert_offsets, inverse = (
-        piece[:size] for piece, size in zip(torch.split(results, padded), sizes))
-    # Scratch: block_counts / block_starts [num_blocks, E_local], block_id_range [num_blocks, 2],
-    # id_range [2].
-    sizes = (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks, 2)
+    block_pairs = launch.block_pairs
+    num_blocks = triton.cdiv(num_pairs, block_pairs)
+    # Scratch: block_counts / block_starts [num_blocks, E_local], block_id_range
+    # [num_blocks, 2].
+    sizes = (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks)
     padded = _pieces(*sizes)
     scratch = torch.empty(sum(padded), dtype=torch.int32, device=device)
-    block_counts, block_starts, block_id_range, id_range = torch.split(scratch, padded)
+    block_counts, block_starts, block_id_range = torch.split(scratch, padded)
 
-    fill_blocks = triton.cdiv(capacity, BLOCK_PAIRS)      # capacity >= num_pairs
+    bins = histogram_bins(num_local_experts)
+    fill_blocks = triton.cdiv(capacity, block_pairs)      # capacity >= num_pairs
     if fill_blocks > 0:
-        bins = max(MIN_HISTOGRAM_BINS, triton.next_power_of_2(num_local_experts))
         _count_block_experts_kernel[(fill_blocks,)](
             topk_ids, block_counts, block_id_range, source_rows, num_pairs, num_blocks,
-            capacity, first_expert, num_local_experts, BLOCK_PAIRS=BLOCK_PAIRS,
+            capacity, first_expert, num_local_experts, BLOCK_PAIRS=block_pairs,
             EXPERT_BINS=bins, num_warps=4)
-    _scan_blocks_kernel[(triton.cdiv(num_local_experts, EXPERT_CHUNK),)](
+    _scan_blocks_kernel[(triton.cdiv(num_local_experts, launch.expert_chunk),)](
         block_counts, block_starts, expert_counts, block_id_range, id_range, num_blocks,
-        num_local_experts, SCAN_BLOCKS=SCAN_BLOCKS, EXPERT_CHUNK=EXPERT_CHUNK, num_warps=4)
+        num_local_experts, SCAN_BLOCKS=launch.scan_blocks, EXPERT_CHUNK=launch.expert_chunk,
+        num_warps=4)
     # At least one program, so that expert_offsets is written when there are no pairs.
     _place_pairs_kernel[(max(num_blocks, 1),)](
         topk_ids, block_starts, expert_counts, expert_offsets, source_rows, inverse, num_pairs,
-        first_expert, num_local_experts, align, BLOCK_PAIRS=BLOCK_PAIRS,
-        EXPERT_CHUNK=EXPERT_CHUNK, num_warps=PLACE_WARPS)
+        first_expert, num_local_experts, align, BLOCK_PAIRS=block_pairs,
+        EXPERT_CHUNK=launch.expert_chunk, BINS=bins, RANK=launch.place_rank,
+        num_warps=launch.place_warps)
+
+
+def _launch_permute(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
+                    num_local_experts: int, align: int, check_ids: bool,
+                    launch: PermuteLaunch) -> Permutation:
+    """The chosen form on checked arguments (everything but the id range): one allocation of
+    results (plus one of scratch for the three-pass form), one or three launches; with
+    ``check_ids`` one host read of the id range after the launches."""
+    num_pairs = topk_ids.numel()
+    capacity = permutation_capacity(num_pairs, num_local_experts, align)
+    # Results and the id range [2]: views of one int32 allocation.
+    sizes = (capacity, num_local_experts, num_local_experts + 1, num_pairs, 2)
+    padded = _pieces(*sizes)
+    results = torch.empty(sum(padded), dtype=torch.int32, device=topk_ids.device)
+    source_rows, expert_counts, expert_offsets, inverse, id_range = (
+        piece[:size] for piece, size in zip(torch.split(results, padded), sizes))
+    run = (_launch_single if launch.chooses_single(num_pairs, num_local_experts)
+           else _launch_three_pass)
+    run(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range, capacity,
+        first_expert, num_local_experts, align, launch)
     if check_ids:
-        low, high = id_range[:2].tolist()                 # the one host sync
+        low, high = id_range.tolist()                     # the one host sync
         if low < 0 or high > num_experts:
             # The shared check on the two extremes: the oracle's error, word for word.
             check_expert_ids("topk_ids", torch.tensor([low, high], dtype=torch.int32),
@@ -226,22 +459,24 @@ def _launch_permute(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
                       num_local_experts: Optional[int] = None, align: int = 1,
-                      check_ids: bool = True) -> Permutation:
+                      check_ids: bool = True,
+                      launch: PermuteLaunch = DEFAULT_PERMUTE) -> Permutation:
     """Expert-major order of the locally owned (token, slot) pairs (see :class:`Permutation`);
     equal, field for field, to ``kernels.reference.permute_by_expert``.
 
     Arguments:
-        topk_ids: [T, k] int32, contiguous, global expert id of each (token, slot);
+        topk_ids: [T, k] int32 (any strides), global expert id of each (token, slot);
             ``num_experts`` is the padding id (an unowned slot).
         num_experts: E (or the slot count S), the number of global expert ids.
         first_expert: the first global expert id this rank owns (``ep_rank * E_local``).
         num_local_experts: E_local; default ``num_experts - first_expert``.
         align: pad every expert's segment up to a multiple of this (1 = no padding).
-        check_ids: True: the first pass records the smallest and largest id on the device and
+        check_ids: True: the kernels record the smallest and largest id on the device and
             the launcher reads them after the launches (one host sync), raising the oracle's
             ValueError for an id outside ``[0, num_experts]``. False: nothing is read (no
             sync: CUDA graphs, benchmarks); an out-of-range id is then skipped as not owned,
             as the oracle does with ``check_ids=False``.
+        launch: the launch rule (:class:`PermuteLaunch`); the default is the fixed rule.
 
     Returns:
         :class:`Permutation`: ``source_rows [P]``, ``expert_counts [E_local]``,
@@ -250,5 +485,6 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     """
     num_local = check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
                                      align, check_ids=False)
-    check_tensor("topk_ids", topk_ids, contiguous=True)
-    return _launch_permute(topk_ids, num_experts, first_expert, num_local, align, check_ids)
+    topk_ids = topk_ids.contiguous()  # any strides, as on every face
+    return _launch_permute(topk_ids, num_experts, first_expert, num_local, align, check_ids,
+                           launch)

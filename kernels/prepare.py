@@ -275,7 +275,8 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
                     check_ids: bool = True) -> LocalSendPlan:
     """What this rank sends where, from its own routing alone (Triton; no communication).
 
-    topk_ids:            [T, k] int32 contiguous, slot ids in ``[0, S]``; S = padding.
+    topk_ids:            [T, k] int32 (any strides: copied to a contiguous tensor when not),
+                         slot ids in ``[0, S]``; S = padding.
     num_experts:         E, the number of distinct experts.
     ep_size:             R, the number of ranks; S must be a multiple of R.
     max_tokens_per_rank: N >= T, sizes the index buffers ([N*R]) and picks the compiled
@@ -291,9 +292,7 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
     """
     _, _, max_tokens, slots = check_prepare_inputs(
         topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
-    if not topk_ids.is_contiguous():
-        raise ValueError(f"topk_ids must be contiguous (call .contiguous() first); strides "
-                         f"{topk_ids.stride()}")
+    topk_ids = topk_ids.contiguous()  # the kernels read flat positions token * k + j
     plan, scratch = launch_local_plan(topk_ids, ep_size, max_tokens, slots)
     if check_ids:
         raise_on_bad_ids(topk_ids, scratch, ep_size, max_tokens, slots)

@@ -34,7 +34,8 @@ from kernels.quantize_details.scales import (amax_partial_kernel, global_scale_f
 from kernels.quantize_details.words import as_pairs
 from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, QUANT_INPUT_DTYPES, SCALE_LAYOUTS,
                                 check_dequantize_mx_args, check_dequantize_nvfp4_args,
-                                check_global_scale, check_layout, check_out, check_quant_input,
+                                check_global_scale_values, check_quant_input,
+                                check_quantize_nvfp4_args, check_quantize_nvfp4_values,
                                 check_swizzle_args, check_unswizzle_args, swizzled_scale_shape)
 from kernels.spec.tensors import check_tensor
 
@@ -164,7 +165,8 @@ def _register_cap(maxnreg: Optional[int]) -> dict:
 # =============================================================================================
 
 def nvfp4_global_scale(x: torch.Tensor, *, launch: AmaxLaunch = DEFAULT_AMAX) -> torch.Tensor:
-    """NVFP4 global encode scale ``448 * 6 / amax(x)``: [1] fp32, 1.0 when amax(x) == 0.
+    """NVFP4 global encode scale ``448 * 6 / amax(x)``: [1] fp32, 1.0 when amax(x) == 0; a NaN
+    in x gives the canonical NaN, an inf 0 (see ``kernels.reference.nvfp4_global_scale``).
 
     x: [M, H] bf16/fp16/fp32 (any strides). One read of x by a persistent grid, then one
     single-program reduction; the division is IEEE. Deterministic (max is order-independent).
@@ -192,42 +194,41 @@ def nvfp4_global_scale(x: torch.Tensor, *, launch: AmaxLaunch = DEFAULT_AMAX) ->
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str = "linear",
                    fast_math: bool = False, out: Optional[torch.Tensor] = None,
                    out_scales: Optional[torch.Tensor] = None,
-                   rows: Optional[torch.Tensor] = None,
+                   rows: Optional[torch.Tensor] = None, check_values: bool = True,
                    launch: NVFP4Launch = DEFAULT_NVFP4) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_nvfp4``.
+    """NVFP4-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_nvfp4``, whose
+    contract it shares (the arguments, their checks and errors; read its docstring).
 
     x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides (read in place when its rows are
         runs of whole element pairs, the usual case; else copied to a contiguous tensor first).
-    global_scale: [1] fp32 encode scale on x's device (read by the kernel, no sync).
+    global_scale: [1] fp32 encode scale on x's device, in [2^-126, 2^126] (read by the kernel).
     layout: "linear", "swizzled_128x4" or "8x4"; the kernel writes this layout directly and
         zeroes its padding.
     fast_math: FlashInfer's default recipe with rcp.approx.ftz.f32 (GPU only).
-    out: optional [M', H/2] uint8 buffer; out_scales: optional scale buffer of the layout's
-        shape ([M', H/16], or [Mp, Kp] from ``swizzled_scale_shape``), uint8, contiguous.
-    rows: optional [M'] int32/int64 row ids: quantize x[rows] (M' = len(rows), else M' = M).
-        Ids outside [0, M) are not checked (that would sync); they read as zero rows.
+    out: optional [M', H/2] uint8 buffer; out_scales: optional scale buffer of exactly the
+        layout's shape ([M', H/16], or [Mp, Kp] from ``swizzled_scale_shape``), uint8; both
+        contiguous on x's device; written and returned.
+    rows: optional [M'] int32 row ids (any strides): quantize x[rows] (M' = len(rows), else
+        M' = M); UNUSED (-1) gives a zero row.
+    check_values: True: read the global scale and the range of rows first (one host sync,
+        the oracle's errors). False: no sync (CUDA graphs); a row outside [0, M) then reads as
+        a zero row, as on every face.
     launch: the launch rule (:class:`NVFP4Launch`); the default is the fixed rule.
     Returns (packed [M', H/2] uint8, element 2i in the low nibble; scales uint8 e4m3 bits).
     """
-    check_quant_input(x, NVFP4_BLOCK)
-    check_layout(layout)
-    check_global_scale(global_scale, x.device)
+    num_rows, padded_rows, padded_blocks = check_quantize_nvfp4_args(
+        x, global_scale, layout, out, out_scales, rows)
     if fast_math and not launch.runs_ptx(x.device):
         raise NotImplementedError(
             "fast_math=True needs the GPU instruction rcp.approx.ftz.f32 (inline PTX), which "
             "Triton's interpreter cannot run; use fast_math=False, or a CUDA tensor")
+    if check_values:
+        check_quantize_nvfp4_values(global_scale, rows, x.shape[0])
     if rows is not None:
-        check_tensor("rows", rows, dtype=(torch.int32, torch.int64), ndim=1, device=x.device,
-                     contiguous=True)
+        rows = rows.contiguous()
     num_src_rows, hidden = x.shape
-    num_rows = rows.numel() if rows is not None else num_src_rows
-    num_blocks = hidden // NVFP4_BLOCK
-    padded_rows, padded_blocks = swizzled_scale_shape(num_rows, num_blocks, layout)
-    out = check_out("out", out, (num_rows, hidden // 2), torch.uint8, x.device)
     if out is None:
         out = torch.empty((num_rows, hidden // 2), dtype=torch.uint8, device=x.device)
-    out_scales = check_out("out_scales", out_scales, (padded_rows, padded_blocks), torch.uint8,
-                           x.device)
     if out_scales is None:
         out_scales = torch.empty((padded_rows, padded_blocks), dtype=torch.uint8,
                                  device=x.device)
@@ -311,10 +312,10 @@ def _relayout(src: torch.Tensor, dst: torch.Tensor, layout: str, num_rows: int,
 
 
 def swizzle_scales(sf: torch.Tensor, layout: str) -> torch.Tensor:
-    """Linear block scales [M, K] uint8 -> [Mp, Kp] uint8 in ``layout``, padding zero (see
-    ``kernels.reference.swizzle_scales``)."""
+    """Linear block scales [M, K] uint8 (any strides) -> [Mp, Kp] uint8 in ``layout``, padding
+    zero (see ``kernels.reference.swizzle_scales``)."""
     check_swizzle_args(sf, layout)
-    check_tensor("sf", sf, contiguous=True)
+    sf = sf.contiguous()
     num_rows, num_blocks = sf.shape
     out = torch.empty(swizzled_scale_shape(num_rows, num_blocks, layout), dtype=torch.uint8,
                       device=sf.device)
@@ -323,14 +324,17 @@ def swizzle_scales(sf: torch.Tensor, layout: str) -> torch.Tensor:
 
 def unswizzle_scales(sf_swizzled: torch.Tensor, layout: str, num_rows: int,
                      num_blocks: int) -> torch.Tensor:
-    """[Mp, Kp] (or flat) uint8 scales in ``layout`` -> [num_rows, num_blocks] linear."""
+    """[Mp, Kp] (or flat) uint8 scales in ``layout``, any strides -> [num_rows, num_blocks]
+    linear."""
     check_unswizzle_args(sf_swizzled, layout, num_rows, num_blocks)
-    check_tensor("sf_swizzled", sf_swizzled, contiguous=True)
+    sf_swizzled = sf_swizzled.contiguous()
     out = torch.empty((num_rows, num_blocks), dtype=torch.uint8, device=sf_swizzled.device)
     return _relayout(sf_swizzled, out, layout, num_rows, num_blocks, swizzle=False)
 
 
 def _dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block, launch):
+    """The dequantize launch on checked arguments (copied to contiguous tensors here)."""
+    packed, scales = packed.contiguous(), scales.contiguous()
     num_rows = packed.shape[0]
     padded_blocks = swizzled_scale_shape(num_rows, hidden // block, layout)[1]
     out = torch.empty((num_rows, hidden), dtype=dtype, device=packed.device)
@@ -347,12 +351,14 @@ def _dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block,
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
                      layout: str = "linear", dtype: torch.dtype = torch.float32,
+                     check_values: bool = True,
                      launch: BlockLaunch = DEFAULT_BLOCK) -> torch.Tensor:
-    """[M, H/2] uint8 codes, scales in ``layout``, [1] fp32 encode scale -> [M, H] ``dtype``,
-    ``(e2m1 * f32(sf)) * (1 / gs)``; bit-exact to the reference."""
-    _, hidden = check_dequantize_nvfp4_args(packed, scales, global_scale, layout)
-    check_tensor("packed", packed, contiguous=True)
-    check_tensor("scales", scales, contiguous=True)
+    """[M, H/2] uint8 codes, scales in ``layout`` ([Mp, Kp] or flat), [1] fp32 encode scale
+    (any strides) -> [M, H] ``dtype``, ``(e2m1 * f32(sf)) * (1 / gs)``; bit-exact to the
+    reference, with its checks (``check_values``: read and check the global scale)."""
+    _, hidden = check_dequantize_nvfp4_args(packed, scales, global_scale, layout, dtype)
+    if check_values:
+        check_global_scale_values(global_scale)
     return _dequantize(packed, scales, global_scale, layout, dtype, 0, hidden, NVFP4_BLOCK,
                        launch)
 
@@ -360,10 +366,9 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
 def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
                      dtype: torch.dtype = torch.float32,
                      launch: BlockLaunch = DEFAULT_BLOCK) -> torch.Tensor:
-    """[M, H] float8_e4m3fn (or uint8 bits), [M, H/32] e8m0 -> [M, H] ``dtype``."""
-    _, hidden = check_dequantize_mx_args(values, scales, fp4=False)
-    check_tensor("values", values, contiguous=True)
-    check_tensor("scales", scales, contiguous=True)
+    """[M, H] float8_e4m3fn (or uint8 bits), exactly [M, H/32] e8m0 (any strides) -> [M, H]
+    ``dtype``; bit-exact to the reference."""
+    _, hidden = check_dequantize_mx_args(values, scales, dtype, fp4=False)
     return _dequantize(values.view(torch.uint8), scales, scales, "linear", dtype, 2, hidden,
                        MX_BLOCK, launch)
 
@@ -371,8 +376,7 @@ def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
                      dtype: torch.dtype = torch.float32,
                      launch: BlockLaunch = DEFAULT_BLOCK) -> torch.Tensor:
-    """[M, H/2] uint8 codes, [M, H/32] e8m0 -> [M, H] ``dtype``."""
-    _, hidden = check_dequantize_mx_args(packed, scales, fp4=True)
-    check_tensor("packed", packed, contiguous=True)
-    check_tensor("scales", scales, contiguous=True)
+    """[M, H/2] uint8 codes, exactly [M, H/32] e8m0 (any strides) -> [M, H] ``dtype``;
+    bit-exact to the reference."""
+    _, hidden = check_dequantize_mx_args(packed, scales, dtype, fp4=True)
     return _dequantize(packed, scales, scales, "linear", dtype, 1, hidden, MX_BLOCK, launch)

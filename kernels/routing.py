@@ -1,35 +1,50 @@
 """Top-k expert routing in Triton: router logits [T, E] -> topk_ids [T, k], topk_weights [T, k].
 
 Same name, arguments and results as ``kernels.reference.route_topk`` (the oracle; its comment
-block defines every method). One program (one warp) routes ``BLOCK_TOKENS`` tokens and holds
-their whole logit rows in registers as a ``[BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD]`` tile:
-expert ``g * experts_per_group + j`` sits in column ``g * GROUP_PAD + j`` (without groups: one
-group of all E), each part padded to a power of two and the padding masked out.
+block defines every method and the selection order). One program routes ``BLOCK_TOKENS`` tokens
+and holds their whole logit rows in registers as a ``[BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD]``
+tile: expert ``g * experts_per_group + j`` sits in column ``g * GROUP_PAD + j`` (without groups:
+one group of all E), each part padded to a power of two and the padding masked out.
 
-Selection is k rounds of one ``tl.max`` per row over packed int64 keys::
+Scores are compared as int32 keys, ``_ordered(score)``: the fp32 bits mapped so that signed
+integer order is the float order, with -0.0 made +0.0 (the two zeros tie, as they compare in
+torch) and every NaN mapped to ``NAN_KEY``, below the key of -inf; ``NONE_KEY``, lower still,
+marks padding, dropped groups and experts already chosen. Equal keys go to the smaller id.
 
-    key = (order-preserving int32 of the fp32 score) << 32 | (ID_LIMIT - expert id)
+Selection is k rounds of argmax, in one of two forms (``RoutingLaunch.keys``):
 
-so the largest key is the best score, and among equal scores the smaller id (its low part is
-larger): ties are broken in the same single reduction, deterministically. The chosen key is
-then replaced by ``KEY_NONE`` (keys are unique, so exactly one entry goes). Worked example,
-scores [1.0, 3.0, 3.0] (ID_LIMIT - id = 65535, 65534, 65533): keys (k(1), 65535),
-(k(3), 65534), (k(3), 65533); round 1 takes (k(3), 65534) = id 1, round 2 (k(3), 65533) = id 2.
+- ``KEYS_SPLIT32``: per round, the int32 max of the keys, then the int32 min of the ids whose key
+  is that max; the chosen expert's key becomes ``NONE_KEY``. A row sits in one warp, and Triton
+  lowers a full-warp int32 max or min to one ``redux.sync`` on sm_80+, so a round is two
+  warp-wide instructions after the per-thread part.
+- ``KEYS_PACKED64``: per round, one max over int64 keys ``key << 32 | (ID_LIMIT - id)`` (ties
+  to the smaller id inside the one reduction), reduced across lanes by five levels of two 32-bit
+  shuffles each.
 
-DeepSeek-V3 first scores each group (top-2 sum of its biased scores: the max, plus the max
-again if it occurs twice, else the largest score below it -- fp32 reductions only), keeps
-``TOPK_GROUPS`` groups by the same packed-key rounds over group indices, and then either sets
-the keys of the dropped groups to ``KEY_NONE`` (``COMPACT = COMPACT_NONE``) or builds a
+Worked example, scores [1.0, 3.0, 3.0]: round 1 takes the max key k(3.0), held by ids 1 and 2,
+and the smaller id, 1; round 2 finds k(3.0) again, now only at id 2.
+
+DeepSeek-V3 first scores each group: the sum of its two best biased scores in the selection
+order (the best, plus the best again if it occurs twice, else the best key below it), found on
+the int32 keys and added in fp32. It keeps ``TOPK_GROUPS`` groups, either by rounds of argmax
+over the group keys or by counting, for each group, the groups ranked above it (a
+``[GROUPS_PAD, GROUPS_PAD]`` compare: no dependent rounds; ``RoutingLaunch.group_select``). It
+then either sets the keys of the dropped groups to ``NONE_KEY`` (``COMPACT_NONE``) or builds a
 narrower tile of the kept groups' candidates only (4 kept groups x 32 = 128 keys instead of 256
 for DeepSeek-V3), by a register gather (``COMPACT_GATHER``) or by re-reading those logits
-(``COMPACT_RELOAD``), so that the k argmax rounds scan half as many keys.
+(``COMPACT_RELOAD``), so that the k rounds scan half as many keys.
 
-The weights are formed after selection from the chosen logits, re-read from memory (a few
-cached loads per row) rather than carried through the selection rounds.
+The weights are formed after selection from the chosen experts' logits (DeepSeek-V3: their
+sigmoid), taken in one of three ways (``RoutingLaunch.weights_from``): re-read from memory
+after the rounds as a [B, k] tile (``WEIGHTS_RELOAD``); carried out of each round by one more
+int32 max, of a bit-exact int32 image of each value, which no later round waits for
+(``WEIGHTS_CARRY``); or loaded one per round as soon as the round has chosen
+(``WEIGHTS_LOAD_EACH``). The last two form the weights slot by slot on [B] values and store
+each slot as it is known. A NaN weight is stored as the one bit pattern ``NAN_WEIGHT_BITS`` of
+``kernels.spec.routing``.
 """
 
 from __future__ import annotations
-
 
 from dataclasses import dataclass
 from typing import Optional
@@ -40,37 +55,62 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.hardware import interpreting
-from kernels.spec.routing import check_routing_args
+from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
-# Low 16 bits of a key hold ID_LIMIT - id: larger for smaller ids, so ties go to the smaller id.
-# 65535 bounds the expert (and group) ids we can pack; MAX_EXPERTS is far below it.
+# Low 16 bits of a packed key hold ID_LIMIT - id: larger for smaller ids, so ties go to the
+# smaller id. 65535 bounds the expert (and group) ids we can pack; MAX_EXPERTS is far below it.
 ID_LIMIT = tl.constexpr(65535)
+NONE_KEY = tl.constexpr(-(2**31))       # padding, dropped, already chosen: below every score
+NAN_KEY = tl.constexpr(-(2**31) + 1)    # a NaN score: below -inf, above NONE_KEY
+NO_ID = tl.constexpr(2**31 - 1)         # above every id: what the min over ids ignores
+NAN_WEIGHT = tl.constexpr(NAN_WEIGHT_BITS)
 
-# 512: every row is held in registers as int64 keys plus fp32 scores; with the launch rule
-# below a warp then holds one row of 16 keys per thread. Larger E needs a chunked selection.
+# 512: every row is held in registers as keys plus fp32 scores; with the launch rule below a
+# warp then holds one row of 16 keys per thread. Larger E needs a chunked selection.
 MAX_EXPERTS = 512
 
 # How DeepSeek-V3 narrows the selection to the kept groups (the ``COMPACT`` constexpr).
-COMPACT_NONE = 0     # keep the full-row tile, dropped groups' keys set to KEY_NONE
+COMPACT_NONE = 0     # keep the full-row tile, dropped groups' keys set to NONE_KEY
 COMPACT_GATHER = 1   # tl.gather the kept groups' keys into a [B, KEEP_PAD * GROUP_PAD] tile
 COMPACT_RELOAD = 2   # re-read the kept groups' logits (cached) and rebuild their keys
+
+# The argmax rounds (the ``KEYS`` constexpr); see the module docstring.
+KEYS_PACKED64 = 0
+KEYS_SPLIT32 = 1
+
+# Where the weights' values come from (the ``WEIGHTS_FROM`` constexpr); see the module docstring.
+WEIGHTS_RELOAD = 0
+WEIGHTS_CARRY = 1
+WEIGHTS_LOAD_EACH = 2
+
+# How DeepSeek-V3 keeps its groups (the ``GROUP_SELECT`` constexpr).
+GROUP_ROUNDS = 0     # topk_groups rounds of argmax over the group keys
+GROUP_COUNT = 1      # rank of each group = groups ranked above it, by one [G, G] compare
 
 
 @dataclass(frozen=True)
 class RoutingLaunch:
-    """Launch rule of ``route_topk`` (``python -m bench.tune`` times the alternatives; the
-    defaults are the best rows of its run on an H200, recorded in bench/results/tune-*.json).
+    """Launch rule of ``route_topk`` (``python -m bench.tune`` times the alternatives and
+    records them in bench/results/tune-*.json).
 
     num_warps: warps per program. One, so that every per-row reduction (k rounds of them) stays
-        inside a warp: with 4 warps Triton's default layout splits a 256-wide fp32 row over 2
+        inside a warp: with more, Triton's default layout splits a 256-wide row over several
         warps and every round then goes through shared memory and a barrier.
     elements_per_program: tokens x padded experts one program holds at most: 256 = 8 per lane,
-        one DeepSeek-V3 row of int64 keys plus fp32 scores per warp, 2 rows of E=128.
+        one DeepSeek-V3 row per warp, 2 rows of E=128.
     target_programs: rows per program grow (up to the element bound) only while the grid has
         more programs than this (about 8 per SM of an H200): small batches get one row per
         program, whose time is the latency of one program's serial chain of reductions.
     rows_per_program: a fixed power of two instead of the rule above (None: the rule).
     compact: how DeepSeek-V3 narrows the selection to the kept groups (``COMPACT_*``).
+    keys: the form of the argmax rounds (``KEYS_SPLIT32``: two int32 warp reductions a round,
+        each one instruction on sm_80+; ``KEYS_PACKED64``: one int64 reduction of 5 shuffle
+        levels a round).
+    group_select: how DeepSeek-V3 keeps its groups (``GROUP_COUNT``: ranks by one compare of
+        all group pairs; ``GROUP_ROUNDS``: topk_groups dependent rounds).
+    weights_from: where the weights' values come from (``WEIGHTS_RELOAD``: one [B, k] load
+        after the rounds; ``WEIGHTS_CARRY``: one more int32 warp reduction a round, which no
+        round waits for; ``WEIGHTS_LOAD_EACH``: one load a round, issued as the round ends).
     """
 
     num_warps: int = 1
@@ -78,9 +118,15 @@ class RoutingLaunch:
     target_programs: int = 1024
     rows_per_program: Optional[int] = None
     compact: int = COMPACT_NONE
+    keys: int = KEYS_SPLIT32
+    group_select: int = GROUP_COUNT
+    weights_from: int = WEIGHTS_RELOAD
 
 
 DEFAULT_ROUTING = RoutingLaunch()
+# The earlier kernel's int64 rounds for the experts and the groups: kept so that bench.tune
+# times them beside the default.
+PACKED64_ROUTING = RoutingLaunch(keys=KEYS_PACKED64, group_select=GROUP_ROUNDS)
 
 
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
@@ -88,11 +134,14 @@ SOFTMAX_ALL = 0      # softmax over all E logits, at the chosen ids
 SOFTMAX_CHOSEN = 1   # softmax over the k chosen logits
 SIGMOID = 2          # sigmoid of each chosen logit
 SIGMOID_RENORM = 3   # sigmoid of each chosen logit / their sum
+# softmax over the k chosen logits (= softmax over all E, renormalised over the chosen), NaN for
+# the whole row when any of its E logits is NaN, as the full softmax is
+SOFTMAX_RENORM = 4
 
 # method -> (selection on sigmoid(logit) + bias?, weights)
 _METHODS = {
     "softmax_topk": (False, SOFTMAX_ALL),
-    "softmax_topk_renorm": (False, SOFTMAX_CHOSEN),
+    "softmax_topk_renorm": (False, SOFTMAX_RENORM),
     "topk_softmax": (False, SOFTMAX_CHOSEN),
     "sigmoid_topk": (False, SIGMOID),
     "sigmoid_topk_renorm": (False, SIGMOID_RENORM),
@@ -114,22 +163,61 @@ def _exp(x, PRECISE_MATH: tl.constexpr):
 @triton.jit
 def _sigmoid(x, PRECISE_MATH: tl.constexpr):
     # 1 / (1 + exp(-x)) with an IEEE division (Triton's "/" is approximate for fp32), the
-    # formula of the oracle's _sigmoid. (libdevice.rcp_rn(d), the same fp32, was measured no
-    # faster on H200: bench.tune, 2026-11-30.)
+    # formula of the oracle's _sigmoid. (libdevice.rcp_rn(d) gives the same fp32 and was timed
+    # no faster on an H200.)
     denominator = 1.0 + _exp(-x, PRECISE_MATH)
     return tl.math.div_rn(tl.zeros_like(denominator) + 1.0, denominator)
 
 
 @triton.jit
-def _pack(score, index):
-    """int64 keys whose signed order is (score, then smaller index) -- see the module doc.
-    -0.0 is first made +0.0 so that the two zeros tie, as they compare in torch."""
-    score = tl.where(score == 0.0, 0.0, score)
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+def _bits_key(value):
+    """int32 whose signed order is the order of the fp32 ``value``s; a bijection, so
+    :func:`_key_value` gives every bit back (NaN payloads and -0.0 included)."""
+    bits = value.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 of a :func:`_bits_key` (the map is its own inverse); ``NAN_KEY`` and
+    ``NONE_KEY`` give NaNs."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ordered(score):
+    """The selection key of an fp32 score: -0.0 ties +0.0, every NaN is ``NAN_KEY``."""
+    key = _bits_key(tl.where(score == 0.0, 0.0, score))
+    return tl.where(score != score, NAN_KEY, key)
+
+
+@triton.jit
+def _has_nan(x):
+    """[B] bool: the row of ``x`` [B, C] holds a NaN."""
+    return tl.max((x != x).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _canonical_nan(weights):
+    """``weights`` with every NaN replaced by the one pattern ``NAN_WEIGHT``."""
+    nan = tl.full(weights.shape, NAN_WEIGHT, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(weights != weights, nan, weights)
+
+
+@triton.jit
+def _take_best(keys, ids):
+    """One round of argmax per row: the id of the best key (ties to the smaller id) and a mask
+    of the entries holding that id. ``ids`` broadcasts against ``keys`` [B, C]."""
+    best = tl.max(keys, axis=1)                                                  # [B]
+    chosen = tl.min(tl.where(keys == best[:, None], ids, NO_ID), axis=1)         # [B]
+    return chosen, ids == chosen[:, None]
+
+
+@triton.jit
+def _pack(keys, ids):
+    """int64 keys whose signed order is (key, then smaller id): see the module docstring."""
     # Tensor first: ``constexpr - tensor`` fails in the interpreter.
-    low = (-index + ID_LIMIT).to(tl.int64)
-    return (ordered.to(tl.int64) << 32) | low
+    return (keys.to(tl.int64) << 32) | (-ids + ID_LIMIT).to(tl.int64)
 
 
 @triton.jit
@@ -139,14 +227,15 @@ def _route_topk_kernel(
     EXPERTS_PER_GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    KEEP_PAD: tl.constexpr, COMPACT: tl.constexpr,
+    KEEP_PAD: tl.constexpr, COMPACT: tl.constexpr, KEYS: tl.constexpr,
+    GROUP_SELECT: tl.constexpr, WEIGHTS_FROM: tl.constexpr,
     SELECT_BIASED_SIGMOID: tl.constexpr, WEIGHTS: tl.constexpr, PRECISE_MATH: tl.constexpr,
 ):
-    KEY_NONE: tl.constexpr = -(2**63)  # below every packed key: removed / padding / dropped
+    KEY64_NONE: tl.constexpr = -(2**63)  # below every packed key
 
     rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     row_ok = rows < num_tokens
-    # Rows past the end re-read the last token (never stored): no -inf-only rows, no NaN.
+    # Rows past the end re-read the last token (never stored).
     load_rows = tl.minimum(rows, num_tokens - 1).to(tl.int64)
     # Column c of the tile is slot c % GROUP_PAD of group c // GROUP_PAD (powers of two: the
     # [B, GROUPS_PAD, GROUP_PAD] view below is a free reshape). A flat 2-D tile lets every warp
@@ -161,92 +250,172 @@ def _route_topk_kernel(
     x = tl.load(row_base[:, None] + expert[None, :] * stride_expert,
                 mask=expert_ok[None, :], other=float("-inf")).to(tl.float32)     # [B, C]
 
+    # value: what the weights are made of (DeepSeek-V3: the unbiased sigmoid; else the logit)
     if SELECT_BIASED_SIGMOID:
         bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-        score = _sigmoid(x, PRECISE_MATH) + bias[None, :]
+        value = _sigmoid(x, PRECISE_MATH)
+        score = value + bias[None, :]
     else:
+        value = x
         score = x
-    score = tl.where(expert_ok[None, :], score, float("-inf"))
-    keys = tl.where(expert_ok[None, :], _pack(score, expert[None, :]), KEY_NONE)
+    keys = tl.where(expert_ok[None, :], _ordered(score), NONE_KEY)                # [B, C]
+    ids_of = expert[None, :]                  # the expert of each column (per row once compact)
+    if WEIGHTS_FROM == 1:  # WEIGHTS_CARRY
+        values = tl.where(expert_ok[None, :], _bits_key(value), NONE_KEY)
 
     if TOPK_GROUPS < NUM_GROUPS:
-        # Group score = best + second best biased score of the group. The second best is the
-        # best again when it occurs twice (one copy is removed, as the oracle's topk(2) does).
-        score3 = tl.reshape(score, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
-        first = tl.max(score3, axis=2)                                           # [B, G]
-        is_first = score3 == first[:, :, None]
+        # Group score = the sum of the group's two best biased scores; the second best is the
+        # best again when it occurs twice (one copy is removed, as the oracle's sort does).
+        keys3 = tl.reshape(keys, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+        first = tl.max(keys3, axis=2)                                            # [B, G]
+        is_first = keys3 == first[:, :, None]
         copies = tl.sum(is_first.to(tl.int32), axis=2)
-        below = tl.max(tl.where(is_first, float("-inf"), score3), axis=2)
+        below = tl.max(tl.where(is_first, NONE_KEY, keys3), axis=2)
         second = tl.where(copies >= 2, first, below)
-        groups = tl.arange(0, GROUPS_PAD)[None, :]
-        group_keys = tl.where(groups < NUM_GROUPS, _pack(first + second, groups), KEY_NONE)
-        # Kept groups, in order of group score: column s * GROUP_PAD + j of the compact tile
-        # is slot j of the s-th kept group.
-        compact_columns = tl.arange(0, KEEP_PAD * GROUP_PAD)
-        compact_rank = compact_columns // GROUP_PAD
-        compact_slot = compact_columns % GROUP_PAD
-        compact_group = tl.zeros([BLOCK_TOKENS, KEEP_PAD * GROUP_PAD], dtype=tl.int32)
-        kept = tl.zeros([BLOCK_TOKENS, GROUPS_PAD], dtype=tl.int1)
-        for r in tl.static_range(TOPK_GROUPS):
-            best_group = tl.max(group_keys, axis=1)
-            hit = group_keys == best_group[:, None]
-            kept = kept | hit
-            group_keys = tl.where(hit, KEY_NONE, group_keys)
-            if COMPACT != 0:
-                group_id = -(best_group & 0xFFFF).to(tl.int32) + ID_LIMIT            # [B]
+        groups = tl.arange(0, GROUPS_PAD)[None, :]                               # [1, G]
+        group_keys = tl.where(groups < NUM_GROUPS,
+                              _ordered(_key_value(first) + _key_value(second)), NONE_KEY)
+        # group_rank[b, g] < TOPK_GROUPS: g is kept, the group_rank-th best of its row.
+        if GROUP_SELECT == 1:  # GROUP_COUNT
+            other = group_keys[:, None, :]                                       # [B, 1, G]
+            this = group_keys[:, :, None]                                        # [B, G, 1]
+            other_index = tl.arange(0, GROUPS_PAD)[None, None, :]
+            this_index = tl.arange(0, GROUPS_PAD)[None, :, None]
+            above = (other > this) | ((other == this) & (other_index < this_index))
+            group_rank = tl.sum(above.to(tl.int32), axis=2)                      # [B, G]
+        else:  # GROUP_ROUNDS
+            group_rank = tl.full([BLOCK_TOKENS, GROUPS_PAD], GROUPS_PAD, tl.int32)
+            if KEYS == 1:  # KEYS_SPLIT32
+                for r in tl.static_range(TOPK_GROUPS):
+                    _, taken = _take_best(group_keys, groups)
+                    group_rank = tl.where(taken, r, group_rank)
+                    group_keys = tl.where(taken, NONE_KEY, group_keys)
+            else:
+                packed_groups = _pack(group_keys, groups)
+                for r in tl.static_range(TOPK_GROUPS):
+                    best_group = tl.max(packed_groups, axis=1)
+                    taken = packed_groups == best_group[:, None]
+                    group_rank = tl.where(taken, r, group_rank)
+                    packed_groups = tl.where(taken, KEY64_NONE, packed_groups)
+        if COMPACT == 0:  # COMPACT_NONE
+            kept = group_rank < TOPK_GROUPS
+            kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
+            keys = tl.where(tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD]), keys,
+                            NONE_KEY)
+        else:
+            # Column s * GROUP_PAD + j of the compact tile is slot j of the s-th kept group.
+            compact_columns = tl.arange(0, KEEP_PAD * GROUP_PAD)
+            compact_rank = compact_columns // GROUP_PAD
+            compact_slot = compact_columns % GROUP_PAD
+            compact_group = tl.zeros([BLOCK_TOKENS, KEEP_PAD * GROUP_PAD], dtype=tl.int32)
+            for r in tl.static_range(TOPK_GROUPS):
+                group_id = tl.sum(tl.where(group_rank == r, groups, 0), axis=1)      # [B]
                 compact_group = tl.where(compact_rank[None, :] == r, group_id[:, None],
                                          compact_group)
-        if COMPACT == 0:  # COMPACT_NONE
-            kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
-            kept_columns = tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD])
-            keys = tl.where(kept_columns, keys, KEY_NONE)
-        else:
             compact_ok = ((compact_rank < TOPK_GROUPS)
                           & (compact_slot < EXPERTS_PER_GROUP))[None, :]          # [1, C']
+            ids_of = compact_group * EXPERTS_PER_GROUP + compact_slot[None, :]       # [B, C']
             if COMPACT == 1:  # COMPACT_GATHER
                 source = compact_group * GROUP_PAD + compact_slot[None, :]
-                keys = tl.where(compact_ok, tl.gather(keys, source, axis=1), KEY_NONE)
+                keys = tl.where(compact_ok, tl.gather(keys, source, axis=1), NONE_KEY)
+                if WEIGHTS_FROM == 1:
+                    values = tl.where(compact_ok, tl.gather(values, source, axis=1), NONE_KEY)
             else:  # COMPACT_RELOAD
-                expert2 = compact_group * EXPERTS_PER_GROUP + compact_slot[None, :]  # [B, C']
-                x2 = tl.load(row_base[:, None] + expert2 * stride_expert, mask=compact_ok,
+                x2 = tl.load(row_base[:, None] + ids_of * stride_expert, mask=compact_ok,
                              other=float("-inf")).to(tl.float32)
-                bias2 = tl.load(bias_ptr + expert2, mask=compact_ok, other=0.0)
-                score2 = _sigmoid(x2, PRECISE_MATH) + bias2
-                keys = tl.where(compact_ok, _pack(score2, expert2), KEY_NONE)
+                bias2 = tl.load(bias_ptr + ids_of, mask=compact_ok, other=0.0)
+                value2 = _sigmoid(x2, PRECISE_MATH)
+                keys = tl.where(compact_ok, _ordered(value2 + bias2), NONE_KEY)
+                if WEIGHTS_FROM == 1:
+                    values = tl.where(compact_ok, _bits_key(value2), NONE_KEY)
 
-    # k rounds of argmax; ids[:, j] = the j-th best expert of each row.
-    slots = tl.arange(0, K_PAD)
+    # k rounds of argmax: the j-th round's chosen is the j-th best expert of each row.
+    slots = tl.arange(0, K_PAD)[None, :]                                         # [1, K]
+    slot_ok = slots < TOP_K
+    out = rows.to(tl.int64) * TOP_K                                              # [B]
     ids = tl.zeros([BLOCK_TOKENS, K_PAD], dtype=tl.int32)
+    chosen_values = ()     # WEIGHTS_FROM != 0: per slot, the chosen experts' values [B]
+    if KEYS == 0:  # KEYS_PACKED64
+        packed = _pack(keys, ids_of)
     for j in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=1)                                              # [B]
-        # Keys are unique per row in their low word (ID_LIMIT - id; KEY_NONE's is 0, which no
-        # id gives): one 32-bit compare finds the chosen entry.
-        keys = tl.where(keys.to(tl.int32) == best.to(tl.int32)[:, None], KEY_NONE, keys)
-        chosen = -(best & 0xFFFF).to(tl.int32) + ID_LIMIT
-        ids = tl.where(slots[None, :] == j, chosen[:, None], ids)
+        if KEYS == 1:  # KEYS_SPLIT32
+            chosen, taken = _take_best(keys, ids_of)
+            keys = tl.where(taken, NONE_KEY, keys)
+        else:
+            best = tl.max(packed, axis=1)                                        # [B]
+            # Packed keys are unique per row in their low word (ID_LIMIT - id; KEY64_NONE's is
+            # 0, which no id gives): one 32-bit compare finds the chosen entry.
+            taken = packed.to(tl.int32) == best.to(tl.int32)[:, None]
+            packed = tl.where(taken, KEY64_NONE, packed)
+            chosen = -(best & 0xFFFF).to(tl.int32) + ID_LIMIT
+        if WEIGHTS_FROM == 0:  # WEIGHTS_RELOAD
+            ids = tl.where(slots == j, chosen[:, None], ids)
+        else:
+            tl.store(ids_ptr + out + j, chosen, mask=row_ok)
+            if WEIGHTS_FROM == 1:  # WEIGHTS_CARRY
+                # (padding that shares the chosen id holds NONE_KEY: the max is the chosen's)
+                carried = tl.max(tl.where(taken, values, NONE_KEY), axis=1)
+                chosen_values = chosen_values + (_key_value(carried),)
+            else:  # WEIGHTS_LOAD_EACH: issued now, waited for after the rounds
+                loaded = tl.load(row_base + chosen * stride_expert).to(tl.float32)
+                chosen_values = chosen_values + (loaded,)
 
-    slot_ok = slots[None, :] < TOP_K                                             # [1, K]
-    chosen_x = tl.load(row_base[:, None] + ids * stride_expert, mask=slot_ok,
-                       other=float("-inf")).to(tl.float32)                       # [B, K]
-    if WEIGHTS == 0:  # SOFTMAX_ALL
-        row_max = tl.max(x, axis=1)
-        total = tl.sum(_exp(x - row_max[:, None], PRECISE_MATH), axis=1)
-        weights = _exp(chosen_x - row_max[:, None], PRECISE_MATH) / total[:, None]
-    elif WEIGHTS == 1:  # SOFTMAX_CHOSEN
-        row_max = tl.max(chosen_x, axis=1)
-        numerator = tl.where(slot_ok, _exp(chosen_x - row_max[:, None], PRECISE_MATH), 0.0)
-        weights = numerator / tl.sum(numerator, axis=1)[:, None]
-    elif WEIGHTS == 2:  # SIGMOID
-        weights = _sigmoid(chosen_x, PRECISE_MATH)
-    else:  # SIGMOID_RENORM
-        numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH), 0.0)
-        weights = numerator / tl.sum(numerator, axis=1)[:, None]
-    weights = weights * routed_scaling
-
-    out = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    out_ok = row_ok[:, None] & slot_ok
-    tl.store(ids_ptr + out, ids, mask=out_ok)
-    tl.store(weights_ptr + out, weights, mask=out_ok)
+    if WEIGHTS_FROM == 0:
+        chosen_x = tl.load(row_base[:, None] + ids * stride_expert, mask=slot_ok,
+                           other=float("-inf")).to(tl.float32)                   # [B, K]
+        if WEIGHTS == 0:  # SOFTMAX_ALL
+            row_max = tl.max(x, axis=1)
+            total = tl.sum(_exp(x - row_max[:, None], PRECISE_MATH), axis=1)
+            weights = _exp(chosen_x - row_max[:, None], PRECISE_MATH) / total[:, None]
+        elif WEIGHTS == 1 or WEIGHTS == 4:  # SOFTMAX_CHOSEN, SOFTMAX_RENORM
+            row_max = tl.max(chosen_x, axis=1)
+            numerator = tl.where(slot_ok, _exp(chosen_x - row_max[:, None], PRECISE_MATH), 0.0)
+            weights = numerator / tl.sum(numerator, axis=1)[:, None]
+        elif WEIGHTS == 2:  # SIGMOID
+            weights = _sigmoid(chosen_x, PRECISE_MATH)
+        else:  # SIGMOID_RENORM
+            numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH), 0.0)
+            weights = numerator / tl.sum(numerator, axis=1)[:, None]
+        if WEIGHTS == 4:
+            weights = tl.where(_has_nan(x)[:, None], float("nan"), weights)
+        weights = _canonical_nan(weights * routed_scaling)
+        out_ok = row_ok[:, None] & slot_ok
+        tl.store(ids_ptr + out[:, None] + slots, ids, mask=out_ok)
+        tl.store(weights_ptr + out[:, None] + slots, weights, mask=out_ok)
+    else:
+        # The same formulas on the k values of each row, slot by slot ([B] each).
+        numerators = ()
+        if WEIGHTS == 0:  # SOFTMAX_ALL
+            row_max = tl.max(x, axis=1)
+            total = tl.sum(_exp(x - row_max[:, None], PRECISE_MATH), axis=1)
+            for j in tl.static_range(TOP_K):
+                numerators = numerators + (_exp(chosen_values[j] - row_max, PRECISE_MATH),)
+        elif WEIGHTS == 1 or WEIGHTS == 4:  # SOFTMAX_CHOSEN, SOFTMAX_RENORM
+            row_max = chosen_values[0]
+            for j in tl.static_range(1, TOP_K):
+                row_max = tl.maximum(row_max, chosen_values[j])
+            total = tl.zeros_like(row_max)
+            for j in tl.static_range(TOP_K):
+                numerators = numerators + (_exp(chosen_values[j] - row_max, PRECISE_MATH),)
+                total += numerators[j]
+        else:  # SIGMOID, SIGMOID_RENORM
+            total = tl.zeros_like(chosen_values[0])
+            for j in tl.static_range(TOP_K):
+                if SELECT_BIASED_SIGMOID and WEIGHTS_FROM == 1:  # carried: the sigmoid
+                    numerators = numerators + (chosen_values[j],)
+                else:
+                    numerators = numerators + (_sigmoid(chosen_values[j], PRECISE_MATH),)
+                total += numerators[j]
+        row_nan = _has_nan(x) if WEIGHTS == 4 else None
+        for j in tl.static_range(TOP_K):
+            if WEIGHTS == 2:  # SIGMOID
+                weight = numerators[j]
+            else:
+                weight = numerators[j] / total
+            if WEIGHTS == 4:
+                weight = tl.where(row_nan, float("nan"), weight)
+            tl.store(weights_ptr + out + j, _canonical_nan(weight * routed_scaling),
+                     mask=row_ok)
 
 
 def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int,
@@ -283,7 +452,9 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
         TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=rows_per_program,
         KEEP_PAD=triton.next_power_of_2(topk_groups) if grouped else 1,
-        COMPACT=launch.compact,
+        COMPACT=launch.compact if grouped else COMPACT_NONE, KEYS=launch.keys,
+        GROUP_SELECT=launch.group_select if grouped else GROUP_ROUNDS,
+        WEIGHTS_FROM=launch.weights_from,
         SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
         PRECISE_MATH=not interpreting(),
         num_warps=launch.num_warps,
@@ -299,7 +470,7 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
     Args:
         logits: [T, E] float32, bfloat16 or float16, the router logits; E <= 512; any strides.
         top_k: k, experts per token, 1 <= k <= min(E, 32).
-        method: one of ``kernels.reference.ROUTING_METHODS``.
+        method: one of ``kernels.spec.ROUTING_METHODS``.
         bias: [E] float32, DeepSeek-V3's selection bias; required for ``deepseek_v3`` only.
         num_groups: DeepSeek-V3 expert groups (divides E); default 1.
         topk_groups: DeepSeek-V3 groups kept per token; default ``num_groups`` (all).
@@ -307,9 +478,10 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         launch: the launch rule (:class:`RoutingLaunch`); the default is the fixed rule.
 
     Returns:
-        topk_ids: [T, k] int32, expert ids in descending selection score, ties to the smaller
-            id (identical to the oracle's).
-        topk_weights: [T, k] float32, the weight of each chosen expert.
+        topk_ids: [T, k] int32, expert ids in descending selection score (NaN lowest), ties
+            to the smaller id (identical to the oracle's).
+        topk_weights: [T, k] float32, the weight of each chosen expert; a NaN is stored as
+            ``kernels.spec.routing.NAN_WEIGHT_BITS``.
 
     No host synchronisation: safe to capture in a CUDA graph.
     """

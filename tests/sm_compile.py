@@ -9,7 +9,8 @@ what catches code that runs there but does not build for a GPU: compile-time con
 inline PTX, layouts. GPU-only paths are forced on where the launcher would pick them only for
 a CUDA tensor (the NVFP4 word-level PTX path, the hardware e4m3 conversion, fast math).
 
-Must run without ``TRITON_INTERPRET`` (``tests/test_sm_compile.py`` starts it that way).
+Runs without ``TRITON_INTERPRET``: when the variable is set, the module starts itself again
+without it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import sys
 import time
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    sys.exit("tests.sm_compile compiles kernels: run it without TRITON_INTERPRET")
+    # Triton reads the variable when a kernel module is imported, and the interpreter compiles
+    # nothing: start again without it (bash .ci/run sets it on a machine without a GPU).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    os.execve(sys.executable, [sys.executable, "-m", "tests.sm_compile", *sys.argv[1:]], env)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -94,7 +98,9 @@ def launch_everything() -> None:
         packed, scales = (torch.zeros(rows, hidden // 2, dtype=torch.uint8),
                           torch.zeros(swizzled_scale_shape(rows, hidden // 16, "swizzled_128x4"),
                                       dtype=torch.uint8))
-        Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", launch=block)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # round_to's branches
+            Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", dtype=dtype,
+                               launch=block)
     floor.nvfp4_traffic(torch.empty(256, 7168, dtype=torch.bfloat16))  # (its ASM=False form)
     for layout in SCALE_LAYOUTS[1:]:
         swizzled = Q.swizzle_scales(torch.zeros(300, 448, dtype=torch.uint8), layout)
@@ -105,15 +111,32 @@ def launch_everything() -> None:
                                                           BLOCK=timing.PEER_STORE_BLOCK)
 
     logits = torch.zeros(64, 256)
-    routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,
-                       topk_groups=4, routed_scaling=2.5)
+    # the default and each other value of every routing launch field
+    for launch in (routing.RoutingLaunch(), routing.PACKED64_ROUTING,
+                   routing.RoutingLaunch(compact=routing.COMPACT_GATHER,
+                                         weights_from=routing.WEIGHTS_CARRY),
+                   routing.RoutingLaunch(compact=routing.COMPACT_RELOAD,
+                                         weights_from=routing.WEIGHTS_LOAD_EACH),
+                   routing.RoutingLaunch(num_warps=2, rows_per_program=2)):
+        routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,
+                           topk_groups=4, routed_scaling=2.5, launch=launch)
     routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk")
+    routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk_renorm",
+                       launch=routing.RoutingLaunch(weights_from=routing.WEIGHTS_CARRY))
+    # permute_by_expert: the one-launch form (the rule at 512 pairs, with and without padding)
+    # and the three-pass form with both ranks of pass 3
     ids = torch.zeros(64, 8, dtype=torch.int32)
+    for align in (1, 128):
+        permute.permute_by_expert(ids, 256, align=align, check_ids=False)
+    for launch in (permute.PermuteLaunch(form="three_pass"), permute.ONEHOT_PERMUTE):
+        permute.permute_by_expert(torch.zeros(8192, 8, dtype=torch.int32), 256, align=128,
+                                  check_ids=False, launch=launch)
     perm = permute.permute_by_expert(ids, 256, check_ids=False)
-    gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm.source_rows,
-                       top_k=8)
-    gather.unpermute_and_reduce(torch.zeros(512, 7168, dtype=torch.bfloat16), perm,
-                                torch.zeros(64, 8))
+    # check_values=False: nothing ran, so the permutation holds whatever memory held
+    gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm, check_values=False)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        gather.unpermute_and_reduce(torch.zeros(512, 7168, dtype=dtype), perm,
+                                    torch.zeros(64, 8), check_values=False)
 
     cpu = torch.device("cpu")
     triton_prepare.warmup_prepare(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64,

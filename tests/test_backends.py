@@ -108,3 +108,28 @@ def test_resolve_logs_its_choice(caplog):
     with caplog.at_level(logging.DEBUG, logger="a2a"):
         resolve("permute", "torch", CPU)
     assert "permute: 'torch' -> torch" in caplog.text
+
+
+def test_import_names_the_other_kernels_package(tmp_path):
+    """Another top-level 'kernels' (e.g. the Hugging Face hub loader) shadowing ours: import a2a
+    says so instead of failing on a missing submodule."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    done = subprocess.run([sys.executable, "-c", "import a2a"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "is not triton-moe-a2a's" in done.stderr and "Hugging Face" in done.stderr
+
+
+def test_install_holds_the_library_packages_only():
+    """pyproject's package list: kernels and a2a with every subpackage; no bench, no tests."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from 3.11")
+    import setuptools
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(setuptools.find_packages(str(ROOT), include=include))
+    on_disk = {str(p.parent.relative_to(ROOT)).replace(os.sep, ".")
+               for top in ("kernels", "a2a") for p in (ROOT / top).rglob("__init__.py")}
+    assert found == on_disk and {"kernels.spec", "a2a.triton_transport"} <= found
+    assert not any(name.split(".")[0] in ("bench", "tests") for name in found)

@@ -96,7 +96,7 @@ def test_cpu_rows_check_the_triton_chain_and_say_why_flashinfer_cannot_run(cpu_r
     triton = cpu_rows[("triton", payload)]
     # checked against the oracle (a mismatch would make ok False), then timed
     assert triton["ok"] is True and triton["time_us"] is not None, triton
-    assert "check_ids=False" in triton["note"]
+    assert "check_ids/check_values=False" in triton["note"]
     assert triton["launches"] is None  # counted on a GPU only (the interpreter launches nothing)
     assert cpu_rows[("torch", payload)]["ok"] is True
     routing = cpu_rows[("flashinfer_routing", payload)]

@@ -9,6 +9,7 @@ production sizes.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from a2a.backends import BackendUnavailable
 from kernels import gather as triton_gather
 from kernels import permute as triton_permute
 from kernels import reference
-from kernels.types import UNUSED
+from kernels.types import UNUSED, Permutation
 from test_reference_permute import assert_permutation_equal, check_permutation_invariants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,101 +32,177 @@ def random_ids(num_tokens, top_k, num_experts, device, *, padding=True) -> torch
     return torch.randint(0, high, (num_tokens, top_k), dtype=torch.int32, device=device)
 
 
-def both_permutations(topk_ids, num_experts, **kwargs):
-    return (triton_permute.permute_by_expert(topk_ids, num_experts, **kwargs),
-            reference.permute_by_expert(topk_ids, num_experts, **kwargs))
-
-
 # ---------------------------------------------------------------------------------------------
 # permute_by_expert
 # ---------------------------------------------------------------------------------------------
 
-# Each axis of the task covered at least once, kept small for the interpreter:
-# T in 0, 1, 7, 255, 300; E in 8, 60, 256; k in 1, 4, 8; align 1, 16, 128; a local range; ids
-# drawn from [0, E] so the padding id appears.
+def launch_id(launch) -> str:
+    """The fields of a PermuteLaunch that differ from the defaults (a test id)."""
+    default = triton_permute.PermuteLaunch()
+    changed = [f"{name}={value}" for name, value in vars(launch).items()
+               if value != getattr(default, name)]
+    return ",".join(changed) or "default"
+
+
+SINGLE = triton_permute.PermuteLaunch(form="single")
+THREE_PASS = triton_permute.PermuteLaunch(form="three_pass")
+FORMS = {"rule": triton_permute.DEFAULT_PERMUTE, "single": SINGLE, "three_pass": THREE_PASS}
+
+# Each axis covered, kept small for the interpreter: T in 0, 1, 7, 16, 64, 255, 256, 257, 1023;
+# E in 8, 60, 256, 384; k in 1, 4, 8; align 1, 16, 128; a local range; ids drawn from [0, E] so
+# the padding id appears. The default rule runs the one-launch form up to 2048 pairs (E_local
+# <= 256) or 1024 (E_local = 384): T=256 / 257 at k=8 and T=128 / 129 at E=384 are its two
+# sides. Each case also runs the form the rule does not pick (``other``: False where that
+# would be slow in the interpreter).
 PERMUTE_CASES = [
-    # T,   k, E,   first, E_local, align
-    (0,    4, 8,   0,     None,    16),
-    (1,    1, 8,   0,     None,    1),
-    (7,    4, 60,  0,     None,    16),
-    (255,  8, 8,   0,     None,    1),
-    (300,  8, 256, 64,    64,      128),
-    (300,  4, 60,  30,    15,      16),
-    (300,  1, 256, 0,     None,    1),
-    (1023, 8, 256, 0,     None,    16),
+    # T,   k, E,   first, E_local, align, other
+    (0,    4, 8,   0,     None,    16,    True),
+    (1,    1, 8,   0,     None,    1,     True),
+    (1,    8, 256, 0,     None,    128,   True),
+    (7,    4, 60,  0,     None,    16,    True),
+    (16,   8, 384, 0,     None,    128,   True),
+    (64,   8, 256, 64,    64,      16,    True),
+    (256,  8, 384, 0,     None,    1,     True),
+    (257,  8, 384, 0,     None,    16,    True),
+    (255,  8, 8,   0,     None,    1,     True),
+    (256,  8, 256, 0,     None,    128,   True),
+    (257,  8, 256, 0,     None,    1,     True),
+    (300,  4, 60,  30,    15,      16,    False),
+    (1023, 8, 256, 0,     None,    16,    False),
 ]
 
 
-@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align",
+def check_permute(topk_ids, num_experts, *, launch, first_expert=0, num_local=None, align=1):
+    kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
+    got = triton_permute.permute_by_expert(topk_ids, num_experts, launch=launch, **kwargs)
+    assert_permutation_equal(got, reference.permute_by_expert(topk_ids, num_experts, **kwargs))
+    return got
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align, other",
                          PERMUTE_CASES)
 def test_permute_matches_oracle(device, seed, num_tokens, top_k, num_experts, first_expert,
-                                num_local, align):
+                                num_local, align, other):
     topk_ids = random_ids(num_tokens, top_k, num_experts, device)
-    kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
-    got, want = both_permutations(topk_ids, num_experts, **kwargs)
-    assert_permutation_equal(got, want)
+    local = num_local or num_experts - first_expert
+    single = triton_permute.DEFAULT_PERMUTE.chooses_single(topk_ids.numel(), local)
+    launches = [triton_permute.DEFAULT_PERMUTE] + ([THREE_PASS if single else SINGLE]
+                                                   if other else [])
+    for launch in launches:
+        got = check_permute(topk_ids, num_experts, launch=launch, first_expert=first_expert,
+                            num_local=num_local, align=align)
     check_permutation_invariants(got, topk_ids, first_expert=first_expert,
-                                 num_local_experts=num_local or num_experts - first_expert,
-                                 align=align)
+                                 num_local_experts=local, align=align)
 
 
-def test_permute_one_expert_across_many_blocks(device):
-    # 1200 pairs of one expert span 5 blocks of 256: the block scan must carry between them.
+def test_rule_branch_points():
+    """The default rule: the one-launch form up to 2048 pairs for E_local <= 512 (512 bins),
+    half as many at 1024 bins (E_local 513..1024)."""
+    rule = triton_permute.DEFAULT_PERMUTE
+    assert rule.chooses_single(0, 8) and rule.chooses_single(2048, 256)
+    assert not rule.chooses_single(2056, 256) and not rule.chooses_single(65536, 256)
+    assert rule.chooses_single(2048, 384) and not rule.chooses_single(2056, 384)
+    assert rule.chooses_single(1024, 600) and not rule.chooses_single(1032, 600)
+    assert SINGLE.chooses_single(65536, 256) and not THREE_PASS.chooses_single(8, 8)
+    with pytest.raises(ValueError, match="PermuteLaunch.form='two_pass' must be one of"):
+        triton_permute.PermuteLaunch(form="two_pass").chooses_single(8, 8)
+
+
+# Knobs the sweep (python -m bench.tune) may set, at values that exercise the loops: slices
+# of several pairs per program, several tail blocks and expert tiles per program, several
+# scan steps and expert chunks, both ranks of pass 3.
+LAUNCH_VARIANTS = [
+    triton_permute.PermuteLaunch(form="single", single_programs=4, single_fill=8192,
+                                 single_warps=4),
+    triton_permute.PermuteLaunch(form="single", single_warps=16, single_programs=256),
+    triton_permute.PermuteLaunch(form="three_pass", block_pairs=64, scan_blocks=4,
+                                 expert_chunk=8),
+    triton_permute.PermuteLaunch(form="three_pass", block_pairs=256, place_warps=4,
+                                 place_rank=triton_permute.RANK_ONEHOT, expert_chunk=16),
+    triton_permute.ONEHOT_PERMUTE,
+]
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=launch_id)
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, first_expert, num_local, align", [
+    (37, 8, 60, 0, None, 16), (150, 4, 256, 64, 128, 3), (5, 8, 384, 0, None, 128),
+    (3, 2, 8, 0, None, 1500)])
+def test_permute_launch_variants_match_oracle(device, seed, launch, num_tokens, top_k,
+                                              num_experts, first_expert, num_local, align):
+    topk_ids = random_ids(num_tokens, top_k, num_experts, device)
+    check_permute(topk_ids, num_experts, launch=launch, first_expert=first_expert,
+                  num_local=num_local, align=align)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_permute_one_expert_across_many_blocks(device, form):
+    # 1200 pairs of one expert span 10 blocks of 128: the block scan must carry between them;
+    # in the one-launch form, many slices.
     topk_ids = torch.full((300, 4), 3, dtype=torch.int32, device=device)
     topk_ids[::7, 1] = 5
-    got, want = both_permutations(topk_ids, 8, align=16)
-    assert_permutation_equal(got, want)
+    check_permute(topk_ids, 8, launch=FORMS[form], align=16)
 
 
 def test_permute_more_blocks_than_one_scan_step(device, seed):
-    # 33600 pairs = 132 blocks of 256 > SCAN_BLOCKS (128): pass 2 takes two steps down.
-    assert 4200 * 8 > triton_permute.BLOCK_PAIRS * triton_permute.SCAN_BLOCKS
+    # 33600 pairs = 263 blocks of 128: the rule's three-pass form scans them in one step of
+    # 512, the launch with [128, 32] tiles in three.
+    rule = triton_permute.DEFAULT_PERMUTE
+    assert not rule.chooses_single(4200 * 8, 4)
+    steps = triton_permute.PermuteLaunch(scan_blocks=128, expert_chunk=32)
+    assert rule.block_pairs * steps.scan_blocks < 4200 * 8 <= rule.block_pairs * rule.scan_blocks
     topk_ids = random_ids(4200, 8, 8, device)
-    got, want = both_permutations(topk_ids, 8, first_expert=2, num_local_experts=4, align=4)
-    assert_permutation_equal(got, want)
+    for launch in (rule, steps):
+        check_permute(topk_ids, 8, launch=launch, first_expert=2, num_local=4, align=4)
 
 
-def test_permute_is_deterministic(device, seed):
-    topk_ids = random_ids(300, 8, 60, device)
-    first = triton_permute.permute_by_expert(topk_ids, 60, align=16)
+@pytest.mark.parametrize("form", FORMS)
+def test_permute_is_deterministic(device, seed, form):
+    topk_ids = random_ids(300 if form == "three_pass" else 100, 8, 60, device)
+    first = triton_permute.permute_by_expert(topk_ids, 60, align=16, launch=FORMS[form])
     for _ in range(2):
-        assert_permutation_equal(triton_permute.permute_by_expert(topk_ids, 60, align=16), first)
+        assert_permutation_equal(triton_permute.permute_by_expert(topk_ids, 60, align=16,
+                                                                  launch=FORMS[form]), first)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("bad", [-1, 9])
-def test_permute_names_a_bad_id(device, bad):
+def test_permute_names_a_bad_id(device, bad, form):
     topk_ids = torch.tensor([[0, 1], [bad, 2]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=f"expert id {bad} outside"):
-        triton_permute.permute_by_expert(topk_ids, 8)
+        triton_permute.permute_by_expert(topk_ids, 8, launch=FORMS[form])
 
 
+@pytest.mark.parametrize("form", ["single", "three_pass"])
 @pytest.mark.parametrize("bad", [-5, 9])
 @pytest.mark.parametrize("num_tokens", [3, 300])
-def test_permute_device_check_names_the_extreme_id(device, bad, num_tokens):
-    """The id range is checked on the device (per-block min / max, reduced in pass 2) and
-    read once: the error names the same id as the oracle's (the smallest if negative, else
-    the largest), also when the bad id sits in a later block and several are bad."""
+def test_permute_device_check_names_the_extreme_id(device, bad, num_tokens, form):
+    """The id range is checked on the device (the one-launch form's program 0 reduces all ids;
+    the three-pass form per block, reduced in pass 2) and read once: the error names the same
+    id as the oracle's (the smallest if negative, else the largest), also when the bad id sits
+    in a later block and several are bad."""
     topk_ids = random_ids(num_tokens, 4, 8, device)
     topk_ids[-1, 2] = bad
     topk_ids[num_tokens // 2, 0] = bad + (-1 if bad < 0 else 1)  # the extreme one
     extreme = bad + (-1 if bad < 0 else 1)
-    for run in (reference.permute_by_expert, triton_permute.permute_by_expert,
-                a2a.permute.permute_by_expert):
+    triton_run = functools.partial(triton_permute.permute_by_expert, launch=FORMS[form])
+    for run in (reference.permute_by_expert, triton_run, a2a.permute.permute_by_expert):
         with pytest.raises(ValueError, match=f"expert id {extreme} outside \\[0, 8\\]"):
             run(topk_ids, 8, check_ids=True)
 
 
+@pytest.mark.parametrize("form", ["single", "three_pass"])
 @pytest.mark.parametrize("bad", [-1, 61, 2**31 - 1])
-def test_permute_unchecked_skips_bad_ids(device, bad):
+def test_permute_unchecked_skips_bad_ids(device, bad, form):
     """check_ids=False reads nothing and skips out-of-range ids as not owned: the result equals
     the oracle's (also unchecked) and that of the same ids with the bad ones set to padding."""
-    topk_ids = random_ids(300, 8, 60, device)
+    topk_ids = random_ids(300 if form == "three_pass" else 120, 8, 60, device)
     topk_ids[::7, 3] = bad
     padded = topk_ids.clone()
     padded[::7, 3] = 60
     for first_expert, num_local, align in [(0, None, 1), (16, 20, 8)]:
         kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
-        got = triton_permute.permute_by_expert(topk_ids, 60, check_ids=False, **kwargs)
+        got = triton_permute.permute_by_expert(topk_ids, 60, check_ids=False,
+                                               launch=FORMS[form], **kwargs)
         assert_permutation_equal(got, reference.permute_by_expert(topk_ids, 60, check_ids=False,
                                                                   **kwargs))
         assert_permutation_equal(got, reference.permute_by_expert(padded, 60, **kwargs))
@@ -136,9 +213,10 @@ def test_permute_unchecked_skips_bad_ids(device, bad):
 
 
 def test_permute_refuses_bad_inputs(device):
-    with pytest.raises(ValueError, match="topk_ids must be contiguous"):
-        triton_permute.permute_by_expert(
-            torch.zeros((4, 2), dtype=torch.int32, device=device).t(), 8)
+    # a view is accepted (as on every face) and equals the oracle
+    view = torch.tensor([[0, 1, 2, 8], [3, 3, 0, 7]], dtype=torch.int32, device=device).t()
+    assert_permutation_equal(triton_permute.permute_by_expert(view, 8),
+                             reference.permute_by_expert(view, 8))
     with pytest.raises(ValueError, match="align=0"):
         triton_permute.permute_by_expert(torch.zeros((4, 2), dtype=torch.int32, device=device),
                                          8, align=0)
@@ -186,10 +264,56 @@ def test_gather_without_tokens(device):
     assert torch.equal(got, torch.zeros((5, 8), device=device))
 
 
-def test_gather_refuses_non_contiguous(device):
-    x = torch.zeros((8, 4), device=device).t()
-    with pytest.raises(ValueError, match="x must be contiguous"):
-        triton_gather.gather_rows(x, torch.zeros(2, dtype=torch.int32, device=device))
+def test_gather_takes_views(device, seed):
+    """Transposed and sliced x, scales and rows (every face takes any strides)."""
+    x = torch.randn(8, 6, device=device).t()                      # [6, 8], strides (1, 6)
+    scales = _table(12, 6, torch.uint8, device)[::2]              # [6, 6], every other row
+    rows = torch.tensor([5, 9, UNUSED, 0, 3, 1, 2, 4], dtype=torch.int32, device=device)[::2]
+    got = triton_gather.gather_rows(x, rows, scales=scales, top_k=2)
+    want = reference.gather_rows(x, rows, scales=scales, top_k=2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_gather_row_past_the_end_is_zero_not_the_next_row(device, seed):
+    """An entry equal to T*top_k (just past the end) is refused with check_values, and with
+    check_values=False gives the documented zero row on both faces, not the row of memory
+    after x: x is a view of the first T rows of a larger table whose other rows are not zero."""
+    top_k, num_tokens = 2, 5
+    table = torch.randn(num_tokens + 3, 24, device=device).to(torch.bfloat16) + 4  # no zeros
+    scale_table = _table(num_tokens + 3, 3, torch.uint8, device) | 1
+    x, scales = table[:num_tokens], scale_table[:num_tokens]   # contiguous views
+    rows = torch.tensor([0, num_tokens * top_k, 9, num_tokens * top_k + 1, UNUSED],
+                        dtype=torch.int32, device=device)
+    for gather in (triton_gather.gather_rows, reference.gather_rows):
+        with pytest.raises(ValueError, match=r"rows holds 11, outside \[0, T\*top_k\) = "
+                                             r"\[0, 10\)"):
+            gather(x, rows, top_k=top_k)
+        out, out_scales = gather(x, rows, scales=scales, top_k=top_k, check_values=False)
+        assert torch.equal(out[0], x[0]) and torch.equal(out[2], x[4])
+        assert not out[[1, 3, 4]].view(torch.int16).any(), gather.__module__
+        assert not out_scales[[1, 3, 4]].any() and torch.equal(out_scales[2], scales[4])
+
+
+def test_gather_takes_the_permutation_and_refuses_a_wrong_top_k(device, seed):
+    """With the Permutation as rows its top_k is used: a different top_k, or x of another T,
+    is refused. With a tensor, a top_k smaller than the permutation's makes rows past T*top_k,
+    refused by the range check (once 10 of 20 rows came back as zeros)."""
+    topk_ids = random_ids(10, 2, 4, device, padding=False)
+    perm = reference.permute_by_expert(topk_ids, 4)
+    x = torch.randn(10, 8, device=device)
+    want = reference.gather_rows(x, perm.source_rows, top_k=2)
+    for gather in (triton_gather.gather_rows, reference.gather_rows):
+        assert torch.equal(gather(x, perm), want) and torch.equal(gather(x, perm, top_k=2), want)
+        with pytest.raises(ValueError, match="top_k=1 but the permutation was built with "
+                                             "top_k=2; leave top_k out"):
+            gather(x, perm, top_k=1)
+        with pytest.raises(ValueError, match="x has 9 rows but the permutation was built for "
+                                             "20 \\(token, slot\\) pairs of k=2, i.e. T=10"):
+            gather(x[:9], perm)
+        with pytest.raises(ValueError, match="outside \\[0, T\\*top_k\\) = \\[0, 10\\) and "
+                                             "not UNUSED \\(-1\\); rows past T\\*top_k mostly "
+                                             "mean a top_k smaller"):
+            gather(x, perm.source_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +361,137 @@ def test_unpermute_refuses_mismatches(device):
                                            torch.ones((2, 2), device=device))
 
 
+def _bits(values, dtype):
+    """A tensor of ``dtype`` from its bit patterns (ints, possibly >= 2^31 for fp32)."""
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    signed = [v - (1 << 32) if width == torch.int32 and v >= 1 << 31 else
+              v - (1 << 16) if width == torch.int16 and v >= 1 << 15 else v for v in values]
+    return torch.tensor(signed, dtype=width).view(dtype)
+
+
+def _one_slot_each(weights: torch.Tensor, dtype, device):
+    """(expert_out of ones [T, 4] in ``dtype``, a k = 1 permutation, weights [T, 1]): token t's
+    output is exactly round(0 + weights[t] * 1.0), its accumulation in float32."""
+    num_tokens = weights.numel()
+    perm = reference.permute_by_expert(torch.zeros((num_tokens, 1), dtype=torch.int32,
+                                                   device=device), 1)
+    expert_out = torch.ones((num_tokens, 4), dtype=dtype, device=device)
+    return expert_out, perm, weights.reshape(num_tokens, 1).to(device)
+
+
+# float32 accumulation (bits) -> bf16 result (bits), round to nearest even; golden.
+BF16_ROUNDING = [
+    (0x3F808000, 0x3F80),  # 1 + 2^-8: a tie, down to the even 1.0 (half-up would give 0x3F81)
+    (0x3F818000, 0x3F82),  # 1 + 3*2^-8: a tie, up to the even 1 + 2^-6
+    (0x3F808001, 0x3F81),  # just above the tie: up
+    (0x3F807FFF, 0x3F80),  # just below the tie: down
+    (0x3F804000, 0x3F80),  # a quarter step: down
+    (0xBF808000, 0xBF80),  # -(1 + 2^-8): the tie goes to even in magnitude
+    (0xBF818000, 0xBF82),
+    (0x7F7F7FFF, 0x7F7F),  # just below the tie past bf16's max: the max
+    (0x7F7F8000, 0x7F80),  # that tie: to the even, +inf (overflow)
+    (0x7F7FFFFF, 0x7F80),  # FLT_MAX: +inf
+    (0xFF7FFFFF, 0xFF80),  # -FLT_MAX: -inf
+    (0x7F800000, 0x7F80),  # +inf stays
+    (0x00008000, 0x0000),  # subnormal tie: to even 0
+    (0x00018000, 0x0002),  # subnormal tie: to even 2
+    (0x80000000, 0x0000),  # -0.0 weight: 0 + (-0) is +0
+    (0x7FC00000, 0x7FC0),  # NaN: the canonical NaN
+    (0xFFC00001, 0x7FC0),  # a negative NaN with a payload: canonical too
+    (0x7F800001, 0x7FC0),  # a signalling NaN: canonical too
+]
+
+
+def test_unpermute_rounds_bf16_to_nearest_even(device):
+    """The float32 -> bf16 cast of the un-permute, case by case (ties both ways, just above
+    and below a tie, overflow, subnormals, NaNs), on both faces against golden bits."""
+    weights = _bits([acc for acc, _ in BF16_ROUNDING], torch.float32)
+    expert_out, perm, weights = _one_slot_each(weights, torch.bfloat16, device)
+    want = torch.tensor([bf16 for _, bf16 in BF16_ROUNDING], dtype=torch.int32)
+    for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+        got = unpermute(expert_out, perm, weights).view(torch.int16).to(torch.int32) & 0xFFFF
+        assert torch.equal(got.cpu(), want[:, None].expand(-1, 4)), unpermute.__module__
+
+
+@pytest.mark.parametrize("dtype, cases", [
+    (torch.float16, [(0x3F801000, 0x3C00),   # 1 + 2^-11: a tie, down to even 1.0
+                     (0x3F803000, 0x3C02),   # 1 + 3*2^-11: a tie, up to even
+                     (0x477FF000, 0x7C00),   # 65520: overflows to +inf
+                     (0xFFC00001, 0x7E00)]),  # a negative NaN: the canonical NaN
+    (torch.float32, [(0x3F800001, 0x3F800001), (0x7F800001, 0x7FC00000),
+                     (0xFFC00001, 0x7FC00000), (0x7FFFFFFF, 0x7FC00000)]),
+])
+def test_unpermute_rounding_and_nan_in_fp16_and_fp32(device, dtype, cases):
+    weights = _bits([acc for acc, _ in cases], torch.float32)
+    expert_out, perm, weights = _one_slot_each(weights, dtype, device)
+    want = _bits([out for _, out in cases], dtype)
+    width = torch.int32 if dtype == torch.float32 else torch.int16
+    for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+        got = unpermute(expert_out, perm, weights).view(width)
+        assert torch.equal(got.cpu(), want.view(width)[:, None].expand(-1, 4))
+
+
+def test_unpermute_nan_rows_give_one_nan(device, seed):
+    """NaN (and inf * 0) inside expert rows: one canonical NaN in every output dtype, on both
+    faces (the GPU writes 0x7FFFFFFF, torch on CPU 0xFFFF for bf16, without it)."""
+    topk_ids = random_ids(40, 4, 8, device)
+    perm = reference.permute_by_expert(topk_ids, 8)
+    expert_out = torch.randn(perm.source_rows.numel(), 24, device=device)
+    expert_out[::3, 5] = float("nan")
+    expert_out[1::5, 7] = -float("nan")
+    expert_out[2::4, 9] = float("inf")
+    weights = torch.rand(40, 4, device=device)
+    weights[::2, 1] = 0.0  # inf * 0 = NaN
+    for dtype, width in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16),
+                         (torch.float32, torch.int32)):
+        got = triton_gather.unpermute_and_reduce(expert_out.to(dtype), perm, weights)
+        want = reference.unpermute_and_reduce(expert_out.to(dtype), perm, weights)
+        assert torch.equal(got.view(width), want.view(width)), dtype
+        assert bool(got.isnan().any())
+        nan_bits = got.view(width)[got.isnan()].unique().tolist()
+        assert nan_bits == [_bits([{torch.bfloat16: 0x7FC0, torch.float16: 0x7E00,
+                                    torch.float32: 0x7FC00000}[dtype]], dtype)
+                            .view(width).item()]
+
+
+def test_unpermute_inverse_out_of_range(device, seed):
+    """An inverse entry outside [0, P) (not UNUSED): the same ValueError on both faces with
+    check_values; skipped as not owned on both with check_values=False."""
+    topk_ids = random_ids(6, 2, 4, device, padding=False)
+    perm = reference.permute_by_expert(topk_ids, 4)
+    capacity = perm.source_rows.numel()
+    expert_out = torch.randn(capacity, 8, device=device)
+    weights = torch.rand(6, 2, device=device)
+    for bad in (capacity, -2, 2**31 - 1):
+        inverse = perm.inverse.clone()
+        inverse[3] = bad
+        broken = Permutation(**{**perm.tensors(), "inverse": inverse}, top_k=2)
+        errors = []
+        for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+            with pytest.raises(ValueError) as error:
+                unpermute(expert_out, broken, weights)
+            errors.append(str(error.value))
+        assert errors[0] == errors[1] and f"permutation.inverse holds {bad}" in errors[0]
+        unowned = Permutation(**{**perm.tensors(),
+                                 "inverse": torch.where(torch.arange(12, device=device) == 3,
+                                                        UNUSED, perm.inverse)}, top_k=2)
+        want = reference.unpermute_and_reduce(expert_out, unowned, weights)
+        for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+            assert torch.equal(unpermute(expert_out, broken, weights, check_values=False), want)
+
+
+def test_unpermute_takes_views(device, seed):
+    topk_ids = random_ids(9, 3, 8, device)
+    perm = reference.permute_by_expert(topk_ids, 8, align=4)
+    expert_out = torch.randn(40, perm.source_rows.numel(), device=device).t()[:, ::2]
+    weights = torch.rand(3, 9, device=device).t()
+    inverse_view = torch.stack((perm.inverse, perm.inverse), dim=1)[:, 0]   # stride 2
+    viewed = Permutation(**{**perm.tensors(), "inverse": inverse_view}, top_k=3, align=4)
+    want = reference.unpermute_and_reduce(expert_out.contiguous(), perm, weights.contiguous())
+    for unpermute in (triton_gather.unpermute_and_reduce, reference.unpermute_and_reduce):
+        assert torch.equal(unpermute(expert_out, viewed, weights), want)
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage switch (a2a.permute)
 # ---------------------------------------------------------------------------------------------
@@ -276,12 +531,15 @@ def test_stage_names_a_non_tensor():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [4096, 8192])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 128, 256, 257, 1024, 4096, 8192])
 @pytest.mark.parametrize("first_expert, num_local, align", [(0, None, 1), (0, None, 128),
-                                                            (64, 32, 128), (0, 512, 16)])
+                                                            (64, 32, 128), (0, 512, 16),
+                                                            (0, 384, 1)])
 def test_permute_gpu_matches_oracle_and_repeats(device, seed, num_tokens, first_expert,
                                                 num_local, align):
-    num_experts = 512 if num_local == 512 else 256
+    """The default rule (either form, by T*k and E_local) at the decode and prefill sizes,
+    exact against the oracle, then 100 runs bit-identical."""
+    num_experts = 512 if num_local == 512 else 384 if num_local == 384 else 256
     topk_ids = random_ids(num_tokens, 8, num_experts, device)
     kwargs = dict(first_expert=first_expert, num_local_experts=num_local, align=align)
     first = triton_permute.permute_by_expert(topk_ids, num_experts, **kwargs)
@@ -292,11 +550,25 @@ def test_permute_gpu_matches_oracle_and_repeats(device, seed, num_tokens, first_
 
 
 @pytest.mark.gpu
-def test_permute_gpu_skewed_routing(device):
-    # Every token to experts 0..7: 8192 pairs per expert, 32 blocks each.
-    topk_ids = torch.arange(8, dtype=torch.int32, device=device).repeat(8192, 1)
-    got, want = both_permutations(topk_ids, 256, align=128)
-    assert_permutation_equal(got, want)
+@pytest.mark.parametrize("launch", [SINGLE, THREE_PASS] + LAUNCH_VARIANTS, ids=launch_id)
+@pytest.mark.parametrize("num_tokens, align", [(1, 128), (64, 1), (256, 128), (1024, 16)])
+def test_permute_gpu_forms_match_oracle_and_repeat(device, seed, launch, num_tokens, align):
+    """Every form and knob the sweep may pick, exact, and 100 runs bit-identical."""
+    topk_ids = random_ids(num_tokens, 8, 256, device)
+    first = check_permute(topk_ids, 256, launch=launch, align=align)
+    for _ in range(100):
+        again = triton_permute.permute_by_expert(topk_ids, 256, align=align, launch=launch)
+        assert_permutation_equal(again, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["single", "three_pass"])
+def test_permute_gpu_skewed_routing(device, form):
+    # Every token to experts 0..7: all pairs of 8 experts (8192 per expert at T=8192: 32
+    # blocks each); the one-launch form at 256 tokens.
+    num_tokens = 256 if form == "single" else 8192
+    topk_ids = torch.arange(8, dtype=torch.int32, device=device).repeat(num_tokens, 1)
+    check_permute(topk_ids, 256, launch=FORMS[form], align=128)
 
 
 @pytest.mark.gpu

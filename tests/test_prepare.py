@@ -52,7 +52,7 @@ def test_tail_spans_several_programs(device):
     assert_plans_equal(got, ref.local_send_plan(ids, 4, 2, max_tokens_per_rank=max_tokens))
 
 
-def test_same_errors_as_reference(device):
+def test_same_errors_as_reference_and_views(device):
     ids = torch.tensor([[0, 4], [1, 2], [3, 3]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
         prepare.local_send_plan(ids, 4, 2, max_tokens_per_rank=2)
@@ -60,9 +60,11 @@ def test_same_errors_as_reference(device):
         prepare.local_send_plan(ids + 1, 4, 2)
     with pytest.raises(ValueError, match="multiple of ep_size"):
         prepare.local_send_plan(ids, 4, 3)
-    with pytest.raises(ValueError, match="contiguous"):
-        prepare.local_send_plan(torch.zeros(2, 6, dtype=torch.int32, device=device)[:, ::2],
-                                4, 2)
+
+    # A view is taken as it is (copied to a contiguous tensor for the kernels), on every face.
+    view = torch.tensor([[0, 9, 4, 9, 1, 9], [3, 9, 2, 9, 2, 9]], dtype=torch.int32)[:, ::2]
+    assert_plans_equal(prepare.local_send_plan(view.to(device), 4, 2),
+                       ref.local_send_plan(view, 4, 2))
 
 
 def test_negative_id_raises_and_names_it(device):

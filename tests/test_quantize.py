@@ -12,7 +12,6 @@ from kernels import reference as R
 from kernels.quantize_details.formats import rcp_approx
 from kernels.quantize_details.words import PAIR_VIEWS
 from kernels.spec import INV_E2M1_MAX, INV_E4M3_MAX, SCALE_LAYOUTS, swizzled_scale_shape
-from tests.support import assert_close
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -118,17 +117,24 @@ def test_saturating_global_scale(device, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_input_matches_reference(device, seed, dtype):
-    """A NaN element makes its block's amax NaN (as torch.amax), and the global amax."""
+    """A NaN element makes its block's amax NaN (as torch.amax), and the global amax (the
+    canonical NaN on both faces). A NaN block's codes are all 0x7, whatever the sign bits of
+    its NaNs (a GPU's NaN products carry none; the interpreter's and a CPU's do)."""
     x = _hard_input(9, 64, dtype, device)
     x[5, 3] = float("nan")
     x[7, 40] = float("nan")
     x[8, 1], x[8, 18], x[8, 35] = float("inf"), -float("inf"), 1e4
+    bits = x.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    bits[6, 20] = -1  # a negative NaN (all bits set), in block 1 of row 6
     gs = torch.full((1,), 3.0, device=device)
-    assert torch.equal(Q.nvfp4_global_scale(x).isnan(), R.nvfp4_global_scale(x).isnan())
-    assert bool(Q.nvfp4_global_scale(x).isnan())
+    assert torch.equal(Q.nvfp4_global_scale(x).view(torch.int32),
+                       R.nvfp4_global_scale(x).view(torch.int32))
+    assert Q.nvfp4_global_scale(x).view(torch.int32).item() == 0x7FC00000
     for layout in SCALE_LAYOUTS:
         _assert_same(Q.quantize_nvfp4(x, gs, layout=layout),
                      R.quantize_nvfp4(x, gs, layout=layout))
+    packed = Q.quantize_nvfp4(x, gs)[0]
+    assert (packed[6, 8:16] == 0x77).all() and (packed[5, :8] == 0x77).all()
     _assert_same(Q.quantize_mxfp8(x), R.quantize_mxfp8(x))
     _assert_same(Q.quantize_mxfp4(x), R.quantize_mxfp4(x))
 
@@ -149,14 +155,12 @@ def test_dequantize_and_swizzle_match_reference(device, seed):
         packed, scales = R.quantize_nvfp4(x, gs, layout=layout)
         assert torch.equal(Q.dequantize_nvfp4(packed, scales, gs, layout=layout),
                            R.dequantize_nvfp4(packed, scales, gs, layout=layout))
-        # bf16 output: the GPU rounds fp32 -> bf16 to nearest even (exact match); Triton's
-        # interpreter rounds half up and drops the sign of zero, so on CPU: the bf16 tolerance.
-        ours = Q.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=torch.bfloat16)
-        theirs = R.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=torch.bfloat16)
-        if device.type == "cuda":
-            assert torch.equal(ours, theirs)
-        else:
-            assert_close(ours, theirs)
+        # bf16 / fp16 output: rounded on the bits to nearest even (kernels.casting.round_to),
+        # so also Triton's interpreter (whose own cast rounds half up) matches bit for bit.
+        for dtype in (torch.bfloat16, torch.float16):
+            ours = Q.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=dtype)
+            theirs = R.dequantize_nvfp4(packed, scales, gs, layout=layout, dtype=dtype)
+            assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
         poisoned = Q.swizzle_scales(linear[1], layout)
         assert torch.equal(poisoned, scales)
         assert torch.equal(Q.unswizzle_scales(scales, layout, 130, 4), linear[1])
@@ -412,3 +416,24 @@ def test_launch_rule_shrinks_tiles_for_small_m():
     assert 16 // rows * -(-448 // blocks) >= 8 and warps == max(1, rows * blocks // 32)
     rows, blocks, warps = Q.tile_shape(8192, 224, 32, cpu, mx)  # MX: the block tile
     assert (rows * blocks * 32, warps) == (mx.tile_elements, mx.num_warps)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stage_dequantizers_and_unswizzle(device, seed, backend):
+    """a2a.quantize exposes the dequantizers and the unswizzle with the oracle's bits; the
+    switch refuses FlashInfer for them with its reason."""
+    x = _hard_input(9, 64, torch.bfloat16, device)
+    gs = R.nvfp4_global_scale(x)
+    packed, scales = R.quantize_nvfp4(x, gs, layout="swizzled_128x4")
+    got = A.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", backend=backend)
+    _assert_same((got,), (R.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4"),))
+    linear = A.unswizzle_scales(scales, "swizzled_128x4", 9, 4, backend=backend)
+    _assert_same((linear,), (R.unswizzle_scales(scales, "swizzled_128x4", 9, 4),))
+    values, mx_scales = R.quantize_mxfp8(x)
+    _assert_same((A.dequantize_mxfp8(values, mx_scales, backend=backend),),
+                 (R.dequantize_mxfp8(values, mx_scales),))
+    codes, mx_scales = R.quantize_mxfp4(x)
+    _assert_same((A.dequantize_mxfp4(codes, mx_scales, dtype=torch.bfloat16, backend=backend),),
+                 (R.dequantize_mxfp4(codes, mx_scales, dtype=torch.bfloat16),))
+    with pytest.raises(BackendUnavailable, match="no standalone dequantizer"):
+        A.dequantize_mxfp4(codes, mx_scales, backend="flashinfer")

@@ -27,11 +27,16 @@ def test_e2m1_grid_is_the_table():
 @pytest.mark.gpu
 def test_oracle_quantizers_capture_in_a_cuda_graph(seed):
     """The oracle copies nothing from the host, so the bench can graph-time it (and its
-    torch.compile form): a captured call replays to the eager result."""
+    torch.compile form) with check_values=False: a captured call replays to the eager
+    result, rows= and out= included."""
     x = (torch.randn(300, 256, device="cuda") * 3).to(torch.bfloat16)
+    rows = torch.tensor([299, -1, 0, 7, 400], dtype=torch.int32, device="cuda")
+    out = torch.empty(5, 128, dtype=torch.uint8, device="cuda")
     ops = {"global_scale": lambda: (R.nvfp4_global_scale(x),),
            "nvfp4": lambda: R.quantize_nvfp4(x, R.nvfp4_global_scale(x),
-                                             layout="swizzled_128x4"),
+                                             layout="swizzled_128x4", check_values=False),
+           "nvfp4 rows": lambda: R.quantize_nvfp4(x, R.nvfp4_global_scale(x), rows=rows,
+                                                  out=out, check_values=False),
            "mxfp8": lambda: R.quantize_mxfp8(x), "mxfp4": lambda: R.quantize_mxfp4(x)}
     for name, op in ops.items():
         want = op()

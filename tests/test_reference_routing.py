@@ -11,7 +11,10 @@ import torch
 
 from kernels.reference import route_topk
 from kernels.spec import ROUTING_METHODS
+from kernels.spec.routing import NAN_WEIGHT_BITS
 from tests.support import assert_close
+
+NAN = float("nan")
 
 
 def sigmoid(x):
@@ -106,6 +109,54 @@ def test_deepseek_v3_without_groups_ranks_every_expert():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.4, 1.0, 3.0]])
     ids, _ = route_topk(logits, 3, "deepseek_v3", bias=bias)
     assert ids.tolist() == [[4, 0, 2]]  # biased: 1.231, 0.881, 0.622, 0.599, 0.269, 0.053
+
+
+@pytest.mark.parametrize("method", [m for m in ROUTING_METHODS if m not in ("deepseek_v3",
+                                                                            "llama4")])
+def test_nan_ranks_below_minus_inf_ties_to_the_smaller_id(method):
+    # Numbers first (best first), then -inf, then the NaNs by id: either sign of NaN.
+    logits = torch.tensor([[NAN, 1.0, float("-inf"), -NAN, 0.0, NAN]])
+    ids, weights = route_topk(logits, 6, method)
+    assert ids.tolist() == [[1, 4, 2, 0, 3, 5]]
+    assert weights.isnan().any()
+
+
+def test_nan_weights_have_one_bit_pattern():
+    # sigmoid_topk: only the NaN expert's weight is NaN (chosen last); the softmax of a row
+    # holding a NaN, chosen or not, makes every weight of the row NaN. Each NaN is 0x7FC00000,
+    # whatever the input NaN was.
+    negative_nan = torch.tensor([0xFFC00001 - 2**32], dtype=torch.int32).view(torch.float32)
+    logits = torch.tensor([[2.0, 0.0, 1.0, 0.0], [3.0, 1.0, 2.0, 0.0]])
+    logits[0, 1] = negative_nan
+    ids, weights = route_topk(logits, 4, "sigmoid_topk")
+    assert ids[0].tolist() == [0, 2, 3, 1]
+    assert weights.view(torch.int32)[0, 3] == NAN_WEIGHT_BITS
+    assert not weights[0, :3].isnan().any() and not weights[1].isnan().any()
+    _, weights = route_topk(logits, 2, "softmax_topk_renorm")
+    assert (weights[0].view(torch.int32) == NAN_WEIGHT_BITS).all()
+    assert not weights[1].isnan().any()
+
+
+def test_deepseek_v3_nan_group_scores_rank_lowest():
+    # Logits 0 give sigmoid 0.5; biases are powers of two, so every sum is exact. Groups of 3:
+    #   group 0: biased [1.0, NaN, .75]     -> top two 1.0 + .75 = 1.75 (NaN is the lowest)
+    #   group 1: biased [NaN, NaN, 4.5]     -> top two 4.5 + NaN = NaN: the lowest group score
+    #   group 2: biased [.5, .5, .5]        -> 1.0
+    # Keep 2 groups: 0 and 2; then by biased score, NaN after every number: 0, 2, 6, 7, 8, 1.
+    bias = torch.tensor([0.5, NAN, 0.25, NAN, NAN, 4.0, 0.0, 0.0, 0.0])
+    ids, weights = route_topk(torch.zeros(1, 9), 6, "deepseek_v3", bias=bias, num_groups=3,
+                              topk_groups=2)
+    assert ids.tolist() == [[0, 2, 6, 7, 8, 1]]
+    # The weights use the unbiased sigmoid (0.5 each, no NaN): 1/6.
+    assert_close(weights, torch.full((1, 6), 1 / 6))
+    # A NaN logit makes its sigmoid, and so every renormalised weight of the row, NaN.
+    logits = torch.zeros(1, 9)
+    logits[0, 6] = NAN
+    ids, weights = route_topk(logits, 3, "deepseek_v3", bias=bias, num_groups=3, topk_groups=2)
+    assert ids.tolist() == [[0, 2, 7]]  # 6 is NaN now: after the numbers of the kept groups
+    ids, weights = route_topk(logits, 6, "deepseek_v3", bias=bias, num_groups=3, topk_groups=2)
+    assert ids.tolist() == [[0, 2, 7, 8, 1, 6]]
+    assert (weights.view(torch.int32) == NAN_WEIGHT_BITS).all()
 
 
 def test_zero_tokens_give_empty_outputs():

@@ -1,12 +1,14 @@
 """Routing: the Triton kernel and the public stage function against the torch oracle, and
 FlashInfer's fused_topk_deepseek against both on a GPU.
 
-Ids are compared exactly (every method, including rows full of exact logit ties and DeepSeek-V3
-group ties); weights with TOLERANCES[float32]. On CPU the kernel runs in Triton's interpreter,
-so the parametrization is a hand-picked list covering each axis (T, E, k, dtype, method) rather
-than the cross product.
+Ids are compared exactly (every method, including rows full of exact logit ties, DeepSeek-V3
+group ties and NaN logits); weights with TOLERANCES[float32], except that NaN weights must be
+NaN on both faces, with the one bit pattern NAN_WEIGHT_BITS. On CPU the kernel runs in Triton's
+interpreter, so the parametrization is a hand-picked list covering each axis (T, E, k, dtype,
+method) rather than the cross product.
 """
 
+import itertools
 import logging
 
 import pytest
@@ -19,9 +21,21 @@ from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
 from kernels import reference, routing
 from kernels.routing import MAX_EXPERTS
 from kernels.routing import route_topk as route_topk_triton
+from kernels.spec.routing import NAN_WEIGHT_BITS
 from tests.support import TOLERANCES, assert_close
 
 FP32 = TOLERANCES[torch.float32]
+# Triton's interpreter computes in numpy, which warns on the NaN arithmetic these tests ask for.
+NAN_ARITHMETIC = pytest.mark.filterwarnings(
+    "ignore:(invalid value encountered|All-NaN slice):RuntimeWarning")
+
+
+def launch_id(launch) -> str:
+    """The fields of a RoutingLaunch that differ from the defaults (a test id)."""
+    default = routing.RoutingLaunch()
+    changed = [f"{name}={value}" for name, value in vars(launch).items()
+               if value != getattr(default, name)]
+    return ",".join(changed) or "default"
 
 
 def make_logits(num_tokens, num_experts, dtype, device, seed=0):
@@ -31,6 +45,24 @@ def make_logits(num_tokens, num_experts, dtype, device, seed=0):
     x = torch.randn(num_tokens, num_experts, generator=gen)
     x[1::2] = (x[1::2] * 2).round() / 2
     return x.to(dtype).to(device)
+
+
+def with_nans(logits, seed=2):
+    """``logits`` with NaNs: about a third of the entries at random (both signs of NaN), one
+    row all NaN, one row NaN but for 3 numbers, one row holding -inf beside a NaN (rows 2-4,
+    where the batch has them)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = logits.float().cpu().clone()
+    num_tokens, num_experts = x.shape
+    spots = torch.rand(num_tokens, num_experts, generator=gen) < 0.3
+    x[spots] = float("nan")
+    x[spots & (torch.rand(num_tokens, num_experts, generator=gen) < 0.5)] = -float("nan")
+    if num_tokens > 4:
+        x[2] = float("nan")
+        x[3, :3] = logits[3, :3].float().cpu()
+        x[3, 3:] = float("nan")
+        x[4, :2] = torch.tensor([float("-inf"), float("nan")])
+    return x.to(logits.dtype).to(logits.device)
 
 
 def make_bias(num_experts, device, seed=1):
@@ -57,8 +89,18 @@ def check_against_oracle(logits, top_k, method, run=route_topk_triton, run_kwarg
     first = mismatched[:1]
     assert not mismatched, (f"{len(mismatched)} rows differ, first {mismatched[:5]}: "
                             f"{ids[first].tolist()} vs {want_ids[first].tolist()}")
-    assert_close(weights, want_weights)
+    assert_same_weights(weights, want_weights)
     return ids, weights
+
+
+def assert_same_weights(weights, want):
+    """NaN at the same places, with the bits NAN_WEIGHT_BITS on both sides; the rest within
+    the fp32 tolerance."""
+    nan = want.isnan()
+    assert torch.equal(weights.isnan(), nan)
+    for got in (weights, want):
+        assert (got.view(torch.int32)[nan] == NAN_WEIGHT_BITS).all()
+    assert_close(weights[~nan], want[~nan])
 
 
 def check_invariants(ids, num_experts):
@@ -135,6 +177,53 @@ def test_negative_zero_ties_positive_zero(device):
     logits = torch.tensor([[-0.0, 0.0, -1.0, 0.0, -0.0, -3.0]] * 3, device=device)
     ids, _ = check_against_oracle(logits, 4, "topk_softmax")
     assert ids[0].tolist() == [0, 1, 3, 4]
+
+
+# NaN logits: the Triton face ranks them as the oracle does (lowest, ties to the smaller id),
+# and gives the same NaN weights. One case per method, DeepSeek-V3 with and without groups.
+NAN_CASES = [
+    ("softmax_topk", 9, 60, 4, torch.float32, None),
+    ("softmax_topk_renorm", 9, 8, 8, torch.bfloat16, None),
+    ("topk_softmax", 9, 60, 4, torch.float32, None),
+    ("sigmoid_topk", 9, 60, 8, torch.float32, None),
+    ("sigmoid_topk_renorm", 9, 8, 4, torch.float32, None),
+    ("llama4", 9, 16, 1, torch.float32, None),
+    ("deepseek_v3", 9, 256, 8, torch.float32, (8, 4)),
+    ("deepseek_v3", 9, 60, 4, torch.bfloat16, (5, 2)),
+    ("deepseek_v3", 9, 64, 8, torch.float32, None),
+]
+
+
+@NAN_ARITHMETIC
+@pytest.mark.parametrize("method, num_tokens, num_experts, top_k, dtype, groups", NAN_CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_nan_logits_rank_lowest_on_both_faces(device, method, num_tokens, num_experts, top_k,
+                                              dtype, groups):
+    logits = with_nans(make_logits(num_tokens, num_experts, dtype, device))
+    ids, weights = check_against_oracle(logits, top_k, method,
+                                        **routing_kwargs(method, num_experts, device, groups))
+    check_invariants(ids, num_experts)
+    assert weights.isnan().any()  # the case reaches the NaN weights
+    if groups is None:
+        # Row 2 is all NaN: ids 0..k-1 in order. Row 3 has numbers at 0, 1, 2 only: those
+        # first, then the NaNs from id 3 up.
+        assert ids[2].tolist() == list(range(top_k))
+        assert ids[3, 3:].tolist() == list(range(3, top_k))
+
+
+@NAN_ARITHMETIC
+def test_nan_bias_and_group_scores(device):
+    """DeepSeek-V3 with NaN in the bias: a group whose two best scores include a NaN has a NaN
+    score, ranks last among the groups and is dropped; inside a kept group NaN experts come
+    after every number."""
+    logits = make_logits(13, 64, torch.float32, device)
+    bias = make_bias(64, device)
+    bias[8:16] = float("nan")       # group 1 (of 8 x 8): all NaN -> NaN group score
+    bias[17] = float("nan")         # group 2: one NaN, its top two are numbers
+    logits[::3, 40] = float("nan")  # group 5 of every third row: one NaN
+    ids, _ = check_against_oracle(logits, 8, "deepseek_v3", bias=bias, num_groups=8,
+                                  topk_groups=4)
+    assert not ((ids >= 8) & (ids < 16)).any()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -282,32 +371,97 @@ def test_flashinfer_deepseek_matches_triton_except_near_ties(device, num_tokens,
     assert torch.equal(fi_ids[exact], ids[exact])
 
 
-# Launch variants the sweep (python -m bench.tune) may pick: each must give the oracle's
-# ids. (rows_per_program, num_warps, compact)
-VARIANTS = [(1, 1, routing.COMPACT_NONE), (4, 2, routing.COMPACT_NONE),
-            (2, 1, routing.COMPACT_GATHER), (1, 1, routing.COMPACT_RELOAD),
-            (2, 2, routing.COMPACT_RELOAD)]
+@pytest.mark.gpu
+def test_flashinfer_ranks_nan_first_as_its_adapter_documents(device):
+    """a2a.routing documents FlashInfer's NaN order: highest (the GPU's NaN lies above +inf in
+    cub's image of the float bits), its group kept first, every weight of the row NaN; the
+    Triton face ranks the same NaN lowest."""
+    _flashinfer_routing_or_skip(device)
+    logits = make_logits(6, 256, torch.float32, device)
+    logits[:, 37] = float("nan")                  # one expert of group 1 (experts 32..63)
+    kwargs = dict(bias=make_bias(256, device), num_groups=8, topk_groups=4)
+    ids, weights = route_topk_stage(logits, 8, "deepseek_v3", backend="flashinfer", **kwargs)
+    assert (ids[:, 0] == 37).all()
+    assert weights.isnan().all()
+    ours, _ = route_topk_triton(logits, 8, "deepseek_v3", **kwargs)
+    assert not (ours == 37).any()
 
 
-@pytest.mark.parametrize("rows, warps, compact", VARIANTS)
-@pytest.mark.parametrize("num_experts, groups, top_k", [(256, (8, 4), 8), (60, (5, 2), 4)])
-def test_launch_variants_match_oracle(device, rows, warps, compact, num_experts, groups, top_k):
-    logits = make_logits(37, num_experts, torch.float32, device)
-    kwargs = routing_kwargs("deepseek_v3", num_experts, device, groups)
+# Launch variants the sweep (python -m bench.tune) may pick: each must give the oracle's ids,
+# on rows with ties and rows with NaNs. CPU: a few, covering every value of every field; GPU:
+# the full product of the selection fields, and the row and warp counts on the default.
+SELECTION_FIELDS = dict(
+    keys=[routing.KEYS_SPLIT32, routing.KEYS_PACKED64],
+    group_select=[routing.GROUP_COUNT, routing.GROUP_ROUNDS],
+    compact=[routing.COMPACT_NONE, routing.COMPACT_GATHER, routing.COMPACT_RELOAD],
+    weights_from=[routing.WEIGHTS_RELOAD, routing.WEIGHTS_CARRY, routing.WEIGHTS_LOAD_EACH])
+VARIANTS = [routing.PACKED64_ROUTING,
+            routing.RoutingLaunch(keys=routing.KEYS_PACKED64),
+            routing.RoutingLaunch(group_select=routing.GROUP_ROUNDS),
+            routing.RoutingLaunch(compact=routing.COMPACT_GATHER),
+            routing.RoutingLaunch(compact=routing.COMPACT_RELOAD,
+                                  weights_from=routing.WEIGHTS_CARRY),
+            routing.RoutingLaunch(weights_from=routing.WEIGHTS_CARRY, rows_per_program=2),
+            routing.RoutingLaunch(weights_from=routing.WEIGHTS_LOAD_EACH, num_warps=2),
+            routing.RoutingLaunch(keys=routing.KEYS_PACKED64, compact=routing.COMPACT_RELOAD,
+                                  group_select=routing.GROUP_ROUNDS, rows_per_program=4,
+                                  num_warps=2)]
+ALL_VARIANTS = ([routing.RoutingLaunch(**dict(zip(SELECTION_FIELDS, combo)))
+                 for combo in itertools.product(*SELECTION_FIELDS.values())]
+                + [routing.RoutingLaunch(rows_per_program=rows, num_warps=warps)
+                   for rows, warps in ((2, 1), (4, 1), (1, 2), (4, 2))])
 
+
+def variant_logits(num_tokens, num_experts, dtype, device):
+    """Tie rows (odd) and NaN rows (the second half)."""
+    logits = make_logits(num_tokens, num_experts, dtype, device)
+    half = num_tokens // 2
+    logits[half:] = with_nans(logits[half:])
+    return logits
+
+
+def check_launch(logits, top_k, method, launch, **kwargs):
     def run(logits, top_k, method, **kw):
-        launch = routing.RoutingLaunch(rows_per_program=rows, num_warps=warps, compact=compact)
         return route_topk_triton(logits, top_k, method, launch=launch, **kw)
+    check_against_oracle(logits, top_k, method, run=run, **kwargs)
 
-    check_against_oracle(logits, top_k, "deepseek_v3", run=run, **kwargs)
+
+@NAN_ARITHMETIC
+@pytest.mark.parametrize("launch", VARIANTS, ids=launch_id)
+@pytest.mark.parametrize("num_experts, groups, top_k", [(256, (8, 4), 8), (60, (5, 2), 4)])
+def test_launch_variants_match_oracle(device, launch, num_experts, groups, top_k):
+    logits = variant_logits(14, num_experts, torch.float32, device)
+    check_launch(logits, top_k, "deepseek_v3", launch,
+                 **routing_kwargs("deepseek_v3", num_experts, device, groups))
 
 
-@pytest.mark.parametrize("rows, warps", [(1, 1), (8, 4)])
-def test_launch_variants_match_oracle_softmax(device, rows, warps):
-    logits = make_logits(37, 128, torch.bfloat16, device)
+@pytest.mark.parametrize("method, top_k", [("softmax_topk", 4), ("topk_softmax", 4),
+                                           ("sigmoid_topk_renorm", 8)])
+@NAN_ARITHMETIC
+@pytest.mark.parametrize("launch", VARIANTS[:2] + VARIANTS[5:7], ids=launch_id)
+def test_launch_variants_match_oracle_without_groups(device, method, top_k, launch):
+    logits = variant_logits(10, 128, torch.bfloat16, device)
+    check_launch(logits, top_k, method, launch)
 
-    def run(logits, top_k, method):
-        launch = routing.RoutingLaunch(rows_per_program=rows, num_warps=warps)
-        return route_topk_triton(logits, top_k, method, launch=launch)
 
-    check_against_oracle(logits, 4, "softmax_topk", run=run)
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", ALL_VARIANTS, ids=launch_id)
+@pytest.mark.parametrize("num_experts, groups, top_k", [(256, (8, 4), 8), (160, (8, 3), 6)])
+def test_launch_variants_match_oracle_at_scale(device, launch, num_experts, groups, top_k):
+    logits = variant_logits(4096, num_experts, torch.bfloat16, device)
+    check_launch(logits, top_k, "deepseek_v3", launch,
+                 **routing_kwargs("deepseek_v3", num_experts, device, groups))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", SELECTION_FIELDS["keys"])
+@pytest.mark.parametrize("weights_from", SELECTION_FIELDS["weights_from"])
+@pytest.mark.parametrize("method, num_experts, top_k", [
+    ("deepseek_v3", 384, 8), ("softmax_topk_renorm", 512, 32), ("softmax_topk", 128, 4),
+    ("sigmoid_topk", 16, 1)])
+def test_launch_variants_match_oracle_at_scale_without_groups(device, keys, weights_from,
+                                                              method, num_experts, top_k):
+    logits = variant_logits(4096, num_experts, torch.float32, device)
+    check_launch(logits, top_k, method, routing.RoutingLaunch(keys=keys,
+                                                              weights_from=weights_from),
+                 **routing_kwargs(method, num_experts, device, None))

@@ -73,8 +73,10 @@ def e2m1_magnitude(a):
 
 @triton.jit
 def e2m1_code(y):
-    """fp32 -> e2m1 code (int32 0..15): RNE, satfinite at 6, sign kept, NaN -> 7 | sign."""
-    return e2m1_magnitude(tl.abs(y)) | ((y.to(tl.int32, bitcast=True) >> 28) & 0x8)
+    """fp32 -> e2m1 code (int32 0..15): RNE, satfinite at 6, sign kept, NaN -> 7 without a
+    sign (a GPU's NaN product has none; the interpreter keeps an operand's)."""
+    sign = (y.to(tl.int32, bitcast=True) >> 28) & 0x8
+    return e2m1_magnitude(tl.abs(y)) | tl.where(y == y, sign, 0)
 
 
 @triton.jit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.casting import round_to
 from kernels.quantize_details.formats import (INV448, INV6, e4m3_value, e8m0_code,
                                               e8m0_inverse, e8m0_value, max_nan, scale_offsets,
                                               with_sign)
@@ -94,6 +95,6 @@ def dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_row
         out = (values * e4m3_value(sf)) * decode
     else:
         out = values * e8m0_value(sf)
-    if out_ptr.dtype.element_ty != tl.float32:  # round once, to nearest even, like torch
-        out = out.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    # round once, to nearest even, NaN canonical: kernels.spec.casting's bits on every face
+    out = round_to(out, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :], out, mask=mask)

@@ -105,8 +105,11 @@ def nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
         out_scale = tl.where(amax[:, :, None] == 0, 0.0, out_scale)
     else:
         decode = tl.math.div_rn(1.0, global_scale)
+        # A zero block's scale is replaced by 0 below; dividing by 1 there instead of by its
+        # zero scale keeps the interpreter from warning about a division by zero.
+        denominator = tl.where(amax == 0, 1.0, sf_float * decode)
         out_scale = tl.minimum(tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
-                                              sf_float * decode),
+                                              denominator),
                                FLT_MAX_C, propagate_nan=tl.PropagateNan.ALL)
         out_scale = tl.where(amax == 0, 0.0, out_scale)[:, :, None]
     # Byte i of a packed row holds elements 2i (low nibble) and 2i + 1: word i of x.
@@ -129,7 +132,9 @@ def nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
     tl.store(out_ptrs[:, None, None] + (blocks * 8)[None, :, None]
              + tl.arange(0, 8)[None, None, :], packed, mask=in_tile, eviction_policy=STORE_POLICY)
     # Scales: rows up to the padded row count, blocks up to the padded block count; the
-    # padding (rows >= num_rows or blocks past H/16) saw only masked zeros, so it stores 0.
+    # padding (rows >= num_rows or blocks past H/16) stores 0 (its masked zeros times a
+    # global scale that is not a positive number would give -0 or NaN codes).
+    sf = tl.where((rows < num_rows)[:, None] & (blocks < num_blocks)[None, :], sf, 0)
     sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
     store_bytes(scale_ptrs[:, None] + scale_block_offsets(blocks, LAYOUT)[None, :], sf,
                 sf_mask, WORD_ASM)

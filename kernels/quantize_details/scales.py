@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.casting import round_to
 from kernels.quantize_details.formats import (GLOBAL_NUMERATOR, max_nan, scale_offsets)
 from kernels.quantize_details.words import load_tile
 
@@ -33,7 +34,8 @@ def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride
 @triton.jit
 def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr):
     """Pass 2 (one program): amax = max(partial[:num_partials]), read BLOCK at a time;
-    out = 448 * 6 / amax with an IEEE division, 1.0 when amax == 0 (or num_partials == 0)."""
+    out = 448 * 6 / amax with an IEEE division, 1.0 when amax == 0 (or num_partials == 0), a
+    NaN written as the canonical one (``round_to``)."""
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
     start = 0
@@ -42,8 +44,10 @@ def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.con
                                    mask=start + offsets < num_partials, other=0.0))
         start += BLOCK
     amax = tl.reduce(acc, 0, max_nan)
-    scale = tl.math.div_rn(tl.full((), GLOBAL_NUMERATOR, tl.float32), amax)
-    tl.store(out_ptr, tl.where(amax == 0, 1.0, scale))
+    # amax == 0 gives 1.0 below; dividing by 1 there avoids a division by zero.
+    scale = tl.math.div_rn(tl.full((), GLOBAL_NUMERATOR, tl.float32),
+                           tl.where(amax == 0, 1.0, amax))
+    tl.store(out_ptr, round_to(tl.where(amax == 0, 1.0, scale), tl.float32))
 
 
 @triton.jit

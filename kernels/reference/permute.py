@@ -7,8 +7,10 @@ from typing import Optional, Union
 
 import torch
 
-from kernels.spec.permute import (check_gather_inputs, check_permute_inputs,
-                                  check_unpermute_inputs, permutation_capacity)
+from kernels.spec.casting import round_to_dtype
+from kernels.spec.permute import (check_gather_inputs, check_gather_values,
+                                  check_permute_inputs, check_unpermute_inputs,
+                                  check_unpermute_values, permutation_capacity)
 from kernels.types import UNUSED, Permutation
 
 
@@ -70,67 +72,96 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
                        top_k=topk_ids.shape[1], align=align)
 
 
-def gather_rows(x: torch.Tensor, rows: torch.Tensor, *, scales: Optional[torch.Tensor] = None,
-                top_k: int = 1) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``.
+def gather_table_rows(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``out[p] = table[tokens[p]]`` byte for byte, and a zero row where ``tokens[p]`` is
+    outside ``[0, T)``. table: [T, W] any dtype and strides; tokens: [P] integer. No host
+    sync (capturable): the rows are moved as bytes, so NaN payloads and -0.0 stay as they
+    are."""
+    num_tokens, width = table.shape
+    if num_tokens == 0 or width == 0:  # nothing to read: every row is a zero row
+        return torch.zeros((tokens.numel(), width), dtype=table.dtype, device=table.device)
+    # [T, W * bytes per element]; flat first: a contiguous tensor with a size-1 dim may carry
+    # any stride there, which a dtype view refuses
+    raw = table.contiguous().reshape(-1).view(torch.uint8).reshape(num_tokens, -1)
+    valid = (tokens >= 0) & (tokens < num_tokens)
+    out = raw[torch.where(valid, tokens, 0).long()].masked_fill_(~valid[:, None], 0)
+    return out.view(table.dtype)
 
-    Pass ``rows = permutation.source_rows`` (flat pair indices ``t*k + j``) with
-    ``top_k = permutation.top_k`` to gather token rows into expert-major order; ``top_k=1``
-    (the default) reads ``rows`` as token ids.
+
+def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
+                scales: Optional[torch.Tensor] = None, top_k: Optional[int] = None,
+                check_values: bool = True
+                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Copy the rows of ``x`` into permuted order: ``out[p] = x[rows[p] // top_k]``, byte for
+    byte.
+
+    Pass the :class:`Permutation` itself as ``rows`` (its ``source_rows``, flat pair indices
+    ``t*k + j``, and its ``top_k`` are used: a wrong k cannot be passed), or a tensor of rows
+    with ``top_k`` (default 1: ``rows`` are token ids).
 
     Arguments:
-        x: [T, W] any dtype, e.g. bf16 hidden rows [T, H] or packed NVFP4 codes uint8 [T, H/2].
-        rows: [P] int32, the source of each output row: ``UNUSED`` (-1) gives a zero row,
-            otherwise a value in ``[0, T*top_k)``.
+        x: [T, W] any dtype and strides, e.g. bf16 hidden rows [T, H] or packed NVFP4 codes
+            uint8 [T, H/2].
+        rows: a Permutation, or [P] int32 (any strides), the source of each output row:
+            ``UNUSED`` (-1) gives a zero row, otherwise a value in ``[0, T*top_k)``.
         scales: optional [T, Ws] (e.g. NVFP4 block scales uint8 [T, H/16], linear layout),
             gathered with the same rows.
-        top_k: how many consecutive ``rows`` values map to one row of ``x``.
+        top_k: how many consecutive ``rows`` values map to one row of ``x``; with a
+            Permutation leave it out (or pass the permutation's).
+        check_values: True: read the range of ``rows`` (one host sync) and raise ValueError
+            for an entry that is neither UNUSED nor in ``[0, T*top_k)``. False: nothing is
+            read (CUDA graphs); such an entry then gives a zero row, on every face.
 
     Returns:
         out: [P, W] in ``x``'s dtype; or ``(out, out_scales [P, Ws])`` when ``scales`` is given.
     """
-    check_gather_inputs(x, rows, scales, top_k)
+    rows, top_k = check_gather_inputs(x, rows, scales, top_k)
+    if check_values:
+        check_gather_values(rows, x.shape[0], top_k)
     limit = x.shape[0] * top_k
-    used = rows != UNUSED
-    bad = used & ((rows < 0) | (rows >= limit))
-    if bool(bad.any()):
-        raise ValueError(f"rows holds {int(rows[bad][0])}, outside [0, {limit}) = [0, T*top_k) "
-                         f"and not UNUSED ({UNUSED})")
-    sources = rows[used].long() // top_k
-
-    def gather(table: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
-        out[used] = table[sources]
-        return out
-
-    return gather(x) if scales is None else (gather(x), gather(scales))
+    # Out of range (UNUSED included) -> token -1 -> a zero row.
+    tokens = torch.where((rows >= 0) & (rows < limit), rows // top_k, UNUSED)
+    out = gather_table_rows(x, tokens)
+    return out if scales is None else (out, gather_table_rows(scales, tokens))
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
-                         topk_weights: torch.Tensor) -> torch.Tensor:
+                         topk_weights: torch.Tensor, *,
+                         check_values: bool = True) -> torch.Tensor:
     """Weighted sum of each token's permuted rows, back in token order.
 
     ``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j = 0..k-1
-    in that order, accumulated in float32 (one rounded multiply, then one rounded add, per
-    slot; unowned slots are skipped), then cast to ``expert_out``'s dtype. A token with no owned
-    slot gives a zero row.
+    in that order, accumulated in float32 from +0 (one rounded multiply, then one rounded add,
+    per owned slot; unowned slots are skipped), then rounded once to ``expert_out``'s dtype
+    (nearest even; every NaN written as the canonical NaN, ``kernels.spec.casting``). A token
+    with no owned slot gives a zero row.
 
     Arguments:
-        expert_out: [P, H] bf16/fp16/fp32, one row per permuted row (the expert compute's output
-            in the order of ``permutation.source_rows``; padding rows are never read).
-        permutation: the :class:`Permutation` the rows were gathered with.
-        topk_weights: [T, k] fp32 (bf16/fp16 accepted), the routing weight of each slot.
+        expert_out: [P, H] bf16/fp16/fp32, any strides, one row per permuted row (the expert
+            compute's output in the order of ``permutation.source_rows``; padding rows are
+            never read).
+        permutation: the :class:`Permutation` the rows were gathered with; its ``inverse``
+            [T*k] int32 holds each slot's row of ``expert_out`` or UNUSED (not owned).
+        topk_weights: [T, k] fp32 (bf16/fp16 accepted), any strides, the routing weight of
+            each slot.
+        check_values: True: read the range of ``permutation.inverse`` (one host sync) and raise
+            ValueError for an entry that is neither UNUSED nor in ``[0, P)``. False: nothing is
+            read (CUDA graphs); such a slot then counts as not owned, on every face.
 
     Returns:
         out: [T, H] in ``expert_out``'s dtype.
     """
     check_unpermute_inputs(expert_out, permutation, topk_weights)
+    if check_values:
+        check_unpermute_values(permutation)
     num_tokens, top_k = topk_weights.shape
-    inverse = permutation.inverse.reshape(num_tokens, top_k).long()
+    capacity = expert_out.shape[0]
+    inverse = permutation.inverse.reshape(num_tokens, top_k)
     acc = torch.zeros((num_tokens, expert_out.shape[1]), dtype=torch.float32,
                       device=expert_out.device)
-    for j in range(top_k):
-        owned = inverse[:, j] >= 0
-        terms = topk_weights[owned, j].float()[:, None] * expert_out[inverse[owned, j]].float()
-        acc[owned] = acc[owned] + terms
-    return acc.to(expert_out.dtype)
+    for j in range(top_k if capacity > 0 else 0):  # P == 0: no slot can be owned
+        owned = (inverse[:, j] >= 0) & (inverse[:, j] < capacity)
+        values = expert_out[torch.where(owned, inverse[:, j], 0).long()].float()
+        terms = topk_weights[:, j].float()[:, None] * values
+        acc = torch.where(owned[:, None], acc + terms, acc)
+    return round_to_dtype(acc, expert_out.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reduce import sum_slots_in_order
+from kernels.spec.casting import round_to_dtype
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan, LocalSendPlan
@@ -27,12 +28,16 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
                     check_ids: bool = True) -> LocalSendPlan:
     """What this rank sends where, from its own routing alone (no communication).
 
-    topk_ids:            [T, k] int32, slot ids in ``[0, S]``; S = padding (sent nowhere).
+    topk_ids:            [T, k] int32 (any strides), slot ids in ``[0, S]``; S = padding
+                         (sent nowhere).
     num_experts:         E, the number of distinct experts.
     ep_size:             R, the number of ranks; S must be a multiple of R.
     max_tokens_per_rank: N >= T, sizes the index buffers ([N*R]); default T.
     slot_count:          S >= E (E plus redundant expert copies); default E.
-    check_ids:           range-check the ids (reads them).
+    check_ids:           True: range-check the ids (reads them: a host sync) and raise
+                         ValueError naming one outside ``[0, S]``. False: nothing is read;
+                         such an id is then treated as padding (sent nowhere, not counted),
+                         as on every face.
     Returns a :class:`LocalSendPlan`: a token goes once to each distinct rank owning one of its
     ids, ascending token order inside each rank's segment; ``backward_recv_rank_local_indices``
     holds ``token*k + j`` for the first such slot j.
@@ -54,7 +59,10 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
         backward_indices[start:start + count] = (tokens * top_k + first_slot).int()
         send_counts[rank] = count
         start += count
-    expert_counts = torch.bincount(topk_ids.flatten().long(), minlength=slots + 1)[:slots]
+    # Ids outside [0, S) (the padding id S, and with check_ids=False any bad id) are not
+    # counted; the rank of an id outside [0, S] is never in [0, R), so it is sent nowhere.
+    ids = topk_ids.flatten().long()
+    expert_counts = torch.bincount(ids[(ids >= 0) & (ids < slots)], minlength=slots)
     return LocalSendPlan(
         send_counts=send_counts,
         send_rank_count_cumsum=torch.cumsum(send_counts, 0, dtype=torch.int32),
@@ -165,8 +173,9 @@ def simulate_combine(expert_out_per_rank: list, plans: list) -> list:
     plans:               the R :class:`AlltoallPlan` s of one prepare.
     Returns R tensors [T_r, H] of the same dtype: source r scatters each returned row into
     zeros [T_r*k, H] at ``backward_recv_rank_local_indices`` and sums over k in slot order in
-    float32 (:func:`sum_slots_in_order`), rounded once to the dtype; at most min(R, k) of the k
-    rows are nonzero.
+    float32 (:func:`sum_slots_in_order`), rounded once to the dtype (nearest even, every NaN the
+    canonical one: ``kernels.spec.casting``, as the Triton transport's fused combine writes);
+    at most min(R, k) of the k rows are nonzero.
     """
     ep_size = len(plans)
     out = []
@@ -181,5 +190,5 @@ def simulate_combine(expert_out_per_rank: list, plans: list) -> list:
             slots = plan.backward_recv_rank_local_indices[send_start:send_end].long()
             scattered[slots] = expert_out_per_rank[receiver][recv_start:recv_end].to(like.device)
         summed = sum_slots_in_order(scattered.reshape(plan.num_tokens, plan.top_k, like.shape[1]))
-        out.append(summed.to(like.dtype))
+        out.append(round_to_dtype(summed, like.dtype))
     return out

@@ -30,12 +30,17 @@ and cpp/kernels/quantization.cu; facts, not code):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from kernels.reference.permute import gather_table_rows
+from kernels.spec.casting import round_to_dtype
 from kernels.spec.quant import (E2M1_MAX, E4M3_MAX, FLT_MAX, LAYOUT_BLOCK_TILE, MX_BLOCK,
                                 NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR, QUANT_INPUT_DTYPES,
                                 check_dequantize_mx_args, check_dequantize_nvfp4_args,
-                                check_global_scale, check_layout, check_quant_input,
+                                check_global_scale_values, check_layout, check_quant_input,
+                                check_quantize_nvfp4_args, check_quantize_nvfp4_values,
                                 check_swizzle_args, check_unswizzle_args, swizzled_scale_shape)
 from kernels.spec.tensors import check_tensor
 
@@ -95,13 +100,15 @@ def e4m3_value(code: torch.Tensor) -> torch.Tensor:
 
 def e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> e2m1 code (uint8, 0..15), round to nearest even, satfinite (|x| > 6 and +-inf
-    give +-6); the sign bit is kept (-0.0 -> 0x8); NaN gives 0x7 with NaN's sign bit."""
+    give +-6); the sign bit is kept (-0.0 -> 0x8); NaN gives 0x7, whatever its sign bit (a
+    GPU's NaN products carry none; a CPU keeps an operand's, so the sign is not defined)."""
     x = x.to(torch.float32)
     magnitude = _round_to_grid(x.abs(), mantissa_bits=1, min_exponent=0, max_value=E2M1_MAX)
-    magnitude = torch.where(torch.isnan(x), torch.full_like(magnitude, E2M1_MAX), magnitude)
+    nan = torch.isnan(x)
+    magnitude = torch.where(nan, torch.full_like(magnitude, E2M1_MAX), magnitude)
     grid = _e2m1_grid(x.device)
     code = torch.searchsorted(grid, magnitude.contiguous())  # exact match: the grid index
-    code = torch.where(torch.signbit(x), code | 0x8, code)
+    code = torch.where(torch.signbit(x) & ~nan, code | 0x8, code)
     return code.to(torch.uint8)
 
 
@@ -203,35 +210,55 @@ def unswizzle_scales(sf_swizzled: torch.Tensor, layout: str, num_rows: int,
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """NVFP4 global encode scale ``448 * 6 / amax(x)``.
 
-    x: [M, H] bf16/fp16/fp32. Returns [1] fp32 (IEEE division, round to nearest even); the
-    decode scale is its reciprocal. When amax(x) == 0 (all zeros, or M == 0) it returns 1.0:
-    finite, and every block then has amax 0, scale code 0 and element code 0 (0x8 for -0.0).
+    x: [M, H] bf16/fp16/fp32, any strides. Returns [1] fp32 (IEEE division, round to nearest
+    even); the decode scale is its reciprocal. When amax(x) == 0 (all zeros, or no elements)
+    it returns 1.0: finite, and every block then has amax 0, scale code 0 and element code 0
+    (0x8 for -0.0). x with a NaN gives the canonical NaN, with an inf 0: ``quantize_nvfp4``
+    refuses both (and a scale above 2^126, from amax(x) below ~3.2e-35) under its
+    ``check_values``.
     """
     check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
     amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
     scale = _f32(NVFP4_GLOBAL_NUMERATOR, x.device) / amax
-    return torch.where(amax == 0, torch.ones_like(scale), scale).reshape(1)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    return round_to_dtype(scale, torch.float32).reshape(1)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str = "linear",
-                   fast_math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize the rows of ``x`` (design.md's IEEE recipe, bit-exact).
+                   fast_math: bool = False, out: Optional[torch.Tensor] = None,
+                   out_scales: Optional[torch.Tensor] = None,
+                   rows: Optional[torch.Tensor] = None,
+                   check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4-quantize rows of ``x`` (design.md's IEEE recipe, bit-exact).
 
-    x: [M, H] bf16/fp16/fp32, H % 16 == 0.
-    global_scale: [1] fp32 encode scale, e.g. ``nvfp4_global_scale(x)``.
+    x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides.
+    global_scale: [1] fp32 encode scale on x's device, e.g. ``nvfp4_global_scale(x)``; it
+        must lie in [2^-126, 2^126] (``kernels.spec.GLOBAL_SCALE_MIN`` / ``_MAX``).
     layout: scale layout, "linear", "swizzled_128x4" or "8x4".
     fast_math: FlashInfer's default recipe; needs the GPU's rcp.approx.ftz.f32, so the
         reference raises NotImplementedError (the Triton kernel has it on a GPU).
-    Returns (packed [M, H/2] uint8, element 2i in the low nibble of byte i;
-             scales uint8 e4m3 bits: [M, H/16] linear, [Mp, Kp] swizzled (``swizzle_scales``)).
+    out: optional [M', H/2] uint8 buffer; out_scales: optional scale buffer of exactly the
+        layout's shape ([M', H/16] linear, [Mp, Kp] from ``swizzled_scale_shape``), uint8;
+        both contiguous on x's device (anything else is refused: no conversion, no
+        broadcasting). The results are written there and returned.
+    rows: optional [M'] int32 (any strides): quantize ``x[rows]``; an entry UNUSED (-1) gives
+        a zero row (codes 0, scale 0). M' = len(rows), else M' = M.
+    check_values: True: read the global scale and the range of ``rows`` (one host sync) and
+        raise ValueError for a scale outside [2^-126, 2^126] or a row neither UNUSED nor in
+        [0, M). False: nothing is read (CUDA graphs); an out-of-range row then gives a zero
+        row, on every face, and a bad scale gives the codes its arithmetic gives.
+    Returns (packed [M', H/2] uint8, element 2i in the low nibble of byte i;
+             scales uint8 e4m3 bits: [M', H/16] linear, [Mp, Kp] swizzled (``swizzle_scales``)).
     """
+    check_quantize_nvfp4_args(x, global_scale, layout, out, out_scales, rows)
     if fast_math:
         raise NotImplementedError(
             "fast_math=True uses the GPU instruction rcp.approx.ftz.f32, whose results torch "
             "cannot reproduce; use kernels.quantize.quantize_nvfp4 on a GPU, or fast_math=False")
-    check_quant_input(x, NVFP4_BLOCK)
-    check_layout(layout)
-    check_global_scale(global_scale, x.device)
+    if check_values:
+        check_quantize_nvfp4_values(global_scale, rows, x.shape[0])
+    if rows is not None:
+        x = gather_table_rows(x, rows)  # an entry outside [0, M) -> a zero row
     gs = global_scale.reshape(()).to(torch.float32)
     blocks, amax = _block_amax(x, NVFP4_BLOCK)
     inv6 = _f32(1.0 / 6.0, x.device)
@@ -240,23 +267,35 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     out_scale = torch.clamp(1.0 / (e4m3_value(sf) * decode), max=FLT_MAX)
     out_scale = torch.where(amax == 0, torch.zeros_like(out_scale), out_scale)
     codes = e2m1_code(blocks * out_scale[..., None]).reshape(x.shape)
-    return _pack_nibbles(codes), swizzle_scales(sf, layout)
+    packed, scales = _pack_nibbles(codes), swizzle_scales(sf, layout)
+    # out / out_scales have exactly these shapes and dtypes (checked): a plain byte copy
+    if out is not None:
+        packed = out.copy_(packed)
+    if out_scales is not None:
+        scales = out_scales.copy_(scales)
+    return packed, scales
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
-                     layout: str = "linear", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     layout: str = "linear", dtype: torch.dtype = torch.float32,
+                     check_values: bool = True) -> torch.Tensor:
     """The value each NVFP4 code stands for: ``(e2m1 * f32(sf)) * (1 / global_scale)``.
 
-    packed: [M, H/2] uint8; scales: uint8 e4m3 bits in ``layout`` ([M, H/16] or [Mp, Kp]);
-    global_scale: [1] fp32 encode scale. Returns [M, H] ``dtype`` (rounded once from fp32).
+    packed: [M, H/2] uint8; scales: uint8 e4m3 bits in ``layout``, exactly [M, H/16] (linear)
+    or [Mp, Kp], or the same bytes flat; global_scale: [1] fp32 encode scale; any strides.
+    dtype: float32, bfloat16 or float16. check_values: read the global scale (one host sync)
+    and refuse it outside [2^-126, 2^126], as ``quantize_nvfp4`` does.
+    Returns [M, H] ``dtype``, rounded once from fp32 (nearest even, NaN canonical).
     """
-    num_rows, hidden = check_dequantize_nvfp4_args(packed, scales, global_scale, layout)
+    num_rows, hidden = check_dequantize_nvfp4_args(packed, scales, global_scale, layout, dtype)
+    if check_values:
+        check_global_scale_values(global_scale)
     num_blocks = hidden // NVFP4_BLOCK
     sf = unswizzle_scales(scales, layout, num_rows, num_blocks)
     values = e2m1_value(_unpack_nibbles(packed)).reshape(num_rows, num_blocks, NVFP4_BLOCK)
     decode = 1.0 / global_scale.reshape(()).to(torch.float32)
     out = (values * e4m3_value(sf)[..., None]) * decode
-    return out.reshape(num_rows, num_blocks * NVFP4_BLOCK).to(dtype)
+    return round_to_dtype(out.reshape(num_rows, num_blocks * NVFP4_BLOCK), dtype)
 
 
 def _mx_scales(amax: torch.Tensor, element_max: float) -> torch.Tensor:
@@ -286,11 +325,13 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """values [M, H] float8_e4m3fn (or its uint8 bits), scales [M, H/32] uint8 e8m0 ->
-    [M, H] ``dtype``: value * 2^(code - 127)."""
-    num_rows, hidden = check_dequantize_mx_args(values, scales, fp4=False)
+    """values [M, H] float8_e4m3fn (or its uint8 bits), scales exactly [M, H/32] uint8 e8m0,
+    any strides -> [M, H] ``dtype`` (float32/bf16/fp16): value * 2^(code - 127), rounded once
+    (nearest even, NaN canonical)."""
+    num_rows, hidden = check_dequantize_mx_args(values, scales, dtype, fp4=False)
     blocks = e4m3_value(values.view(torch.uint8)).reshape(num_rows, hidden // MX_BLOCK, MX_BLOCK)
-    return (blocks * e8m0_value(scales)[..., None]).reshape(num_rows, hidden).to(dtype)
+    out = (blocks * e8m0_value(scales)[..., None]).reshape(num_rows, hidden)
+    return round_to_dtype(out, dtype)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,8 +355,10 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """packed [M, H/2] uint8, scales [M, H/32] uint8 e8m0 -> [M, H] ``dtype``:
-    e2m1 * 2^(code - 127)."""
-    num_rows, hidden = check_dequantize_mx_args(packed, scales, fp4=True)
+    """packed [M, H/2] uint8, scales exactly [M, H/32] uint8 e8m0, any strides -> [M, H]
+    ``dtype`` (float32/bf16/fp16): e2m1 * 2^(code - 127), rounded once (nearest even, NaN
+    canonical)."""
+    num_rows, hidden = check_dequantize_mx_args(packed, scales, dtype, fp4=True)
     values = e2m1_value(_unpack_nibbles(packed)).reshape(num_rows, hidden // MX_BLOCK, MX_BLOCK)
-    return (values * e8m0_value(scales)[..., None]).reshape(num_rows, hidden).to(dtype)
+    out = (values * e8m0_value(scales)[..., None]).reshape(num_rows, hidden)
+    return round_to_dtype(out, dtype)

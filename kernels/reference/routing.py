@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.spec.routing import check_routing_args
+from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
 # Routing: router logits [T, E] -> topk_ids [T, k] int32, topk_weights [T, k] float32.
 #
-# Every method selects k experts per token, best first, ties to the smaller expert id, and
-# returns their weights in fp32 (bf16/fp16 logits are upcast first, exactly). What is ranked
-# ("the selection score") and how the weights are formed:
+# Every method selects k experts per token, best first, and returns their weights in fp32
+# (bf16/fp16 logits are upcast first, exactly). What is ranked ("the selection score") and how
+# the weights are formed:
 #
 #   method               selection score             weight of a chosen expert i
 #   softmax_topk         logit                       softmax(logits)[i] (over all E)
@@ -26,6 +26,13 @@ from kernels.spec.routing import check_routing_args
 #
 # All weights are then multiplied by ``routed_scaling`` (1.0 leaves them unchanged).
 #
+# The selection order, on every face: scores compare as fp32 numbers, except that
+#   - NaN is the lowest score, below -inf (any NaN, whatever its sign or payload bits);
+#   - -0.0 and +0.0 are equal;
+#   - equal scores, NaNs among themselves included, go to the smaller expert id.
+# ``_selection_key`` writes this order as integers. So a NaN logit (or a NaN bias) is chosen only
+# where fewer than k experts have a number: after every non-NaN one, by ascending id.
+#
 # Softmax and sigmoid are increasing, so ranking the logits gives the order of the
 # probabilities; ranking the logits themselves keeps the ids free of exp rounding (two logits
 # far below the maximum both underflow to probability 0 but still differ). DeepSeek-V3 ranks
@@ -33,9 +40,16 @@ from kernels.spec.routing import check_routing_args
 # ``1 / (1 + exp(-x))`` with an IEEE division (see ``_sigmoid``).
 #
 # DeepSeek-V3 ("noaux_tc"): the E experts form ``num_groups`` groups of E/num_groups
-# consecutive ids. A group's score is the sum of its two largest biased scores; the best
-# ``topk_groups`` groups are kept (group ties go to the smaller group index); the k experts are
-# then the best biased scores inside the kept groups.
+# consecutive ids. A group's score is the fp32 sum of its two best biased scores in the
+# selection order (the best twice if it occurs twice); it is NaN when one of the two is NaN
+# (a group with fewer than two numbers) or when they are +inf and -inf. The best
+# ``topk_groups`` groups are kept by the same order (a NaN group score is the lowest; ties go
+# to the smaller group index); the k experts are then the best biased scores inside the kept
+# groups.
+#
+# Weights: the formulas above in fp32. A weight that comes out NaN (a NaN logit among the
+# chosen, or the softmax of a row holding a NaN, which makes every weight of that row NaN) is
+# returned as the one bit pattern ``NAN_WEIGHT_BITS`` (0x7FC00000) on every face.
 #
 # FlashInfer's fused_topk_deepseek (flashinfer/fused_moe/fused_routing_dsv3.py, CUDA kernel
 # deepseek_v3_topk_kernel in csrc/fused_moe/noAuxTcKernels.cu, 0.7.2) computes the same
@@ -48,12 +62,26 @@ from kernels.spec.routing import check_routing_args
 #     logit is -inf for every chosen expert);
 #   - group scores are the same sum of the top-2 biased scores; ties (scores and groups) also go
 #     to the smaller index (it packs (value, 65535 - index) keys);
+#   - NaN is its highest score, not the lowest: its keys are cub's order-preserving image of
+#     the float bits, where the GPU's NaN (0x7FFFFFFF, positive) lies above +inf; a NaN expert
+#     is chosen first and a group holding one is kept first (``a2a.routing`` documents this
+#     face);
 #   - its output weights have the dtype of the logits (bf16 logits give bf16 weights);
 #   - its limits: k <= 8; with groups E <= 256, E/num_groups <= 32, num_groups <= 8 (one warp
 #     per group, 256 threads), topk_groups <= 4, E/num_groups * topk_groups <= 128; without
 #     groups E <= 384 (``a2a.routing`` checks them).
-#
-# NaN logits are not supported (their order is unspecified in every face).
+
+# Below the key of every number (the key of -inf is -0x7F800000).
+_NAN_KEY = -(2**31)
+
+
+def _selection_key(score: torch.Tensor) -> torch.Tensor:
+    """int64 keys in the selection order of fp32 ``score`` (larger key = better score): the
+    float bits read as sign and magnitude, -0.0 as +0.0, every NaN as ``_NAN_KEY``."""
+    bits = torch.where(score == 0, torch.zeros_like(score), score).view(torch.int32).long()
+    magnitude = bits & 0x7FFFFFFF
+    key = torch.where(bits < 0, -magnitude, magnitude)
+    return torch.where(score.isnan(), torch.full_like(key, _NAN_KEY), key)
 
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -62,10 +90,15 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
 
-def _ranked(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Columns of the k largest entries of each row of ``score`` [T, n], best first, ties to
-    the smaller column: a stable sort keeps equal entries in column order."""
-    return torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
+def _ranked(score: torch.Tensor, k: int, allowed=None) -> torch.Tensor:
+    """Columns of the k best entries along the last axis of ``score`` [..., n] in the
+    selection order, best first, ties to the smaller column (a stable sort keeps equal keys in
+    column order). ``allowed`` (bool, like ``score``): only those entries compete; the others
+    rank below every score, NaN included."""
+    key = _selection_key(score)
+    if allowed is not None:
+        key = key.masked_fill(~allowed, _NAN_KEY - 1)
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_groups=None,
@@ -82,9 +115,10 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         routed_scaling: factor applied to every weight (DeepSeek-V3's routed_scaling_factor).
 
     Returns:
-        topk_ids: [T, k] int32, expert ids in descending selection score, ties to the smaller
-            id.
-        topk_weights: [T, k] float32, the weight of each chosen expert.
+        topk_ids: [T, k] int32, expert ids in descending selection score (NaN lowest), ties
+            to the smaller id.
+        topk_weights: [T, k] float32, the weight of each chosen expert; a NaN weight has the
+            bits ``NAN_WEIGHT_BITS``.
     """
     num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
                                                  topk_groups, routed_scaling)
@@ -110,14 +144,17 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         biased = scores + bias.float()
         if topk_groups < num_groups:
             grouped = biased.view(num_tokens, num_groups, num_experts // num_groups)
-            top2 = torch.sort(grouped, dim=-1, descending=True).values
+            top2 = grouped.gather(-1, _ranked(grouped, 2))
             group_scores = top2[..., 0] + top2[..., 1]
             kept = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=x.device)
             kept.scatter_(1, _ranked(group_scores, topk_groups), True)
             kept = kept.repeat_interleave(num_experts // num_groups, dim=1)
-            biased = biased.masked_fill(~kept, float("-inf"))
-        ids = _ranked(biased, top_k)
+            ids = _ranked(biased, top_k, allowed=kept)
+        else:
+            ids = _ranked(biased, top_k)
         weights = scores.gather(1, ids)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    weights = weights * routed_scaling
-    return ids.to(torch.int32), weights.float()
+    weights = (weights * routed_scaling).float()
+    nan = torch.tensor(NAN_WEIGHT_BITS, dtype=torch.int32, device=x.device).view(torch.float32)
+    weights = torch.where(weights.isnan(), nan, weights)
+    return ids.to(torch.int32), weights

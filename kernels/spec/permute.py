@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from kernels.spec.tensors import check_expert_ids, check_tensor, check_top_k
+from kernels.spec.values import check_index_range, index_extremes, read_to_host
 from kernels.types import Permutation
 
 
@@ -57,11 +58,25 @@ def check_permute_inputs(topk_ids: torch.Tensor, num_experts: int, first_expert:
     return local
 
 
-def check_gather_inputs(x: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
-                        top_k: int) -> None:
-    """Shape, dtype and device checks of ``gather_rows`` (no value checks: no host sync)."""
+def check_gather_inputs(x: torch.Tensor, rows: Union[torch.Tensor, Permutation],
+                        scales: Optional[torch.Tensor],
+                        top_k: Optional[int]) -> tuple[torch.Tensor, int]:
+    """Host-side checks of ``gather_rows`` (every face; no host sync). Returns the rows tensor
+    and k: ``rows`` may be a :class:`Permutation`, whose ``source_rows`` and ``top_k`` are then
+    used (an explicit ``top_k`` must equal it, and x must hold the permutation's T tokens), so
+    that a wrong k cannot be passed; a tensor ``rows`` takes ``top_k`` (default 1)."""
+    permutation = rows if isinstance(rows, Permutation) else None
+    if permutation is not None:
+        if top_k is not None and top_k != permutation.top_k:
+            raise ValueError(f"top_k={top_k!r} but the permutation was built with top_k="
+                             f"{permutation.top_k}; leave top_k out when passing the "
+                             f"Permutation")
+        rows, top_k = permutation.source_rows, permutation.top_k
+    elif top_k is None:
+        top_k = 1
     check_tensor("x", x, ndim=2)
-    check_tensor("rows", rows, dtype=torch.int32, ndim=1, device=x.device)
+    name = "permutation.source_rows" if permutation is not None else "rows"
+    check_tensor(name, rows, dtype=torch.int32, ndim=1, device=x.device)
     if scales is not None:
         check_tensor("scales", scales, ndim=2, device=x.device)
         if scales.shape[0] != x.shape[0]:
@@ -69,6 +84,19 @@ def check_gather_inputs(x: torch.Tensor, rows: torch.Tensor, scales: Optional[to
                              f"pass the scales of x in the linear layout [T, H/16]")
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be a positive int (1 = rows are token ids)")
+    if permutation is not None and x.shape[0] * top_k != permutation.inverse.numel():
+        raise ValueError(f"x has {x.shape[0]} rows but the permutation was built for "
+                         f"{permutation.inverse.numel()} (token, slot) pairs of k={top_k}, "
+                         f"i.e. T={permutation.inverse.numel() // top_k} tokens")
+    return rows, top_k
+
+
+def check_gather_values(rows: torch.Tensor, num_tokens: int, top_k: int) -> None:
+    """The device-read check of ``gather_rows`` (its ``check_values``; one host read): every
+    entry of ``rows`` is UNUSED (-1) or in ``[0, T*top_k)``."""
+    check_index_range("rows", read_to_host(index_extremes(rows)), num_tokens * top_k,
+                      "T*top_k", hint="; rows past T*top_k mostly mean a top_k smaller than "
+                      "the permutation's: pass the Permutation itself as rows")
 
 
 # Dtypes the un-permute reduces (it accumulates in float32 and casts back).
@@ -77,7 +105,9 @@ UNPERMUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def check_unpermute_inputs(expert_out: torch.Tensor, permutation: Permutation,
                            topk_weights: torch.Tensor) -> None:
-    """Shape, dtype and device checks of ``unpermute_and_reduce`` (no host sync)."""
+    """Host-side checks of ``unpermute_and_reduce`` (every face; no host sync): expert_out
+    [P, H] and topk_weights [T, k] bf16/fp16/fp32 (any strides), the permutation's int32
+    inverse [T*k] on their device."""
     check_tensor("expert_out", expert_out, dtype=UNPERMUTE_DTYPES, ndim=2)
     if not isinstance(permutation, Permutation):
         raise TypeError(f"permutation must be a Permutation (from permute_by_expert), got "
@@ -96,3 +126,11 @@ def check_unpermute_inputs(expert_out: torch.Tensor, permutation: Permutation,
     if topk_weights.numel() != permutation.inverse.numel():
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} does not match the "
                          f"permutation's T*k={permutation.inverse.numel()} pairs")
+
+
+def check_unpermute_values(permutation: Permutation) -> None:
+    """The device-read check of ``unpermute_and_reduce`` (its ``check_values``; one host
+    read): every entry of ``permutation.inverse`` is UNUSED (-1) or in ``[0, P)``."""
+    check_index_range("permutation.inverse", read_to_host(index_extremes(permutation.inverse)),
+                      permutation.source_rows.numel(), "P",
+                      hint="; pass the Permutation the rows were gathered with")

@@ -21,6 +21,11 @@ MAX_TOP_K = 32
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# The one bit pattern of a NaN routing weight on every face (the quiet NaN torch and Python
+# write for float("nan")): the arithmetic of the weights may produce other NaN payloads, and
+# faces compare bit for bit.
+NAN_WEIGHT_BITS = 0x7FC00000
+
 
 def check_routing_args(logits, top_k, method, bias=None, num_groups=None, topk_groups=None,
                        routed_scaling=1.0) -> tuple[int, int]:
