@@ -85,6 +85,7 @@ from a2a.resources import AlltoallResources
 from a2a.movement import AlltoallMovement
 from kernels.types import AlltoallPlan
 from kernels.spec.prepare import PREPARE_MAX_TOP_K
+from kernels.spec.quant import check_global_scale, check_global_scale_values
 from kernels.spec.tensors import check_expert_ids, check_tensor, check_top_k
 
 # Stages a MoEAlltoall runs, and the keys its ``backends`` dict may hold (a subset of
@@ -520,7 +521,7 @@ class MoEAlltoall:
                              f"MoEAlltoall on {self.device}")
 
     def dispatch(self, x: torch.Tensor, plan: AlltoallPlan, *, quant: Optional[str] = None,
-                 global_scale: Optional[torch.Tensor] = None):
+                 global_scale: Optional[torch.Tensor] = None, check_values: bool = True):
         """Send every token's row to the ranks the plan names (collective).
 
         x:            [T, H] bfloat16 / float16 / float32 contiguous, T = plan.num_tokens.
@@ -532,6 +533,10 @@ class MoEAlltoall:
                       ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales (blocks of 32).
                       The same on every rank.
         global_scale: [1] float32, the NVFP4 global encode scale (448*6 / amax); nvfp4 only.
+        check_values: nvfp4: read the global scale (one host sync) and raise ValueError on every
+                      rank unless it is finite and in [2^-126, 2^126]
+                      (``kernels.spec.check_global_scale_value``); False skips the read (CUDA
+                      graph capture; a traced call never reads it).
         Every argument is checked, and x quantized locally, before the agreement with the
         other ranks: a rejection on any rank raises on every rank before anything is sent.
         (A traced call checks while tracing, quantizes inside its op and never agrees.)
@@ -547,6 +552,8 @@ class MoEAlltoall:
         move = None
         try:
             self._check_dispatch(x, plan, quant, global_scale)
+            if quant == "nvfp4" and check_values:
+                check_global_scale_values(global_scale)
             move = self._movement.stage_dispatch(x, plan, quant, global_scale, None)
         except Exception as exc:  # agreed on below: raised on every rank
             error = exc
@@ -570,7 +577,6 @@ class MoEAlltoall:
         if quant is None:
             self._movement.check_rows(x, "x")
         elif quant == "nvfp4":
-            from kernels.spec.quant import check_global_scale
             if global_scale is None:
                 raise ValueError("quant='nvfp4' needs global_scale ([1] float32, 448*6 / amax)")
             check_global_scale(global_scale, self.device)

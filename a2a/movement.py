@@ -31,10 +31,12 @@ from kernels.types import AlltoallPlan
 def sum_over_slots(scattered: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Combine's reduction: [T*k, H] rows -> [T, H], summed over k in float32 in slot order
     (``kernels.reduce.sum_slots_in_order``, the order the Triton transport's fused reduction
-    repeats) and rounded once to the dtype of ``scattered``."""
+    repeats) and rounded once to the dtype of ``scattered`` (nearest even, every NaN the
+    canonical one: ``kernels.spec.round_to_dtype``, as the Triton reduction stores)."""
     from kernels.reduce import sum_slots_in_order
+    from kernels.spec.casting import round_to_dtype
     rows = scattered.view(num_tokens, top_k, scattered.shape[1])
-    return sum_slots_in_order(rows).to(scattered.dtype)
+    return round_to_dtype(sum_slots_in_order(rows), scattered.dtype)
 
 
 def as_bytes(rows: torch.Tensor) -> torch.Tensor:
@@ -153,8 +155,10 @@ class AlltoallMovement:
             if self.fused_nvfp4():
                 return lambda: self.dispatch_nvfp4_fused(x, global_scale, plan, state_now())
             from a2a.quantize import quantize_nvfp4
+            # the global scale's value was checked by the caller (before the agreement)
             packed, scales = quantize_nvfp4(x, global_scale, layout="linear",
-                                            backend=self.backends["quantize"])
+                                            backend=self.backends["quantize"],
+                                            check_values=False)
             parts = (packed, scales.view(torch.uint8))
         else:
             from a2a.quantize import quantize_mxfp8
