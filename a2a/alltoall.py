@@ -17,10 +17,8 @@ and, for ``dispatch(quant=...)``, the ``quantize`` stage. Any prepare works with
 the plan is the contract (docs/design.md, "prepare contract").
 
 Combine's reduction over k has one order (``kernels.reduce.sum_slots_in_order``: float32,
-slot order, rounded once to the payload dtype): the flashinfer and torch transports scatter the
-returned rows into zeros ``[T*k, H]`` (FlashInfer's layout) and reduce with
-:func:`sum_over_slots`; the Triton transport does the same adds in its receive kernel. So the
-transports give bit-identical results.
+slot order, rounded once to the payload dtype), so the transports give bit-identical results;
+how each backend moves the data is :mod:`a2a.movement`.
 
 No rank left hanging: every collective call (construction, ``prepare``, ``dispatch``,
 ``combine``) first makes the ranks agree, over the process group's store and within the
@@ -31,14 +29,45 @@ it and the reason, before any data moves; a rank that does not arrive is named a
 broke, e.g. by a timeout of the Triton transport, makes the others' next call fail). Objects
 made with ``agree=False`` skip the per-call agreement (see :class:`MoEAlltoall`).
 
-Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, and freed by
-:meth:`MoEAlltoall.close`. The Triton transport makes one per transfer kind and row size
-(dispatch of bf16 rows, of nvfp4 codes, of nvfp4 scales, combine of bf16 rows, ...), each with
-its own device-side call counter; its bounded waits record timeouts in a status buffer that
-:meth:`MoEAlltoall.check_transport` (and every ``prepare(check_inputs=True)``) reads
-(``a2a.protocol``). How the Triton prepare and transport run (grid and spin bounds, the
-one-launch transfer, the quantizing send) is the object's :class:`~a2a.config.PrepareConfig`
-and :class:`~a2a.config.TransportConfig`, fixed at construction and agreed on by the ranks.
+Workspaces (:mod:`a2a.workspace`) are made on first use, collectively, or all at once by
+:meth:`MoEAlltoall.allocate`, and freed by :meth:`MoEAlltoall.close` (the object's device state
+is :class:`a2a.resources.AlltoallResources`). The Triton transport makes one per transfer kind
+and row size (dispatch of bf16 rows, of nvfp4 codes, of nvfp4 scales, combine of bf16 rows,
+...), each with its own device-side call counter; the waits of the Triton prepare and transport
+record timeouts in status buffers that :meth:`MoEAlltoall.check_transport` (and every
+``prepare(check_inputs=True)``) reads (``a2a.protocol``). How the Triton prepare and transport
+run (grid and spin bounds, the one-launch transfer, the quantizing send) is the object's
+:class:`~a2a.config.PrepareConfig` and :class:`~a2a.config.TransportConfig`, fixed at
+construction and agreed on by the ranks.
+
+Compiled regions (``torch.compile``) and CUDA graphs
+----------------------------------------------------
+``prepare``, ``dispatch`` and ``combine`` may be called inside ``torch.compile(fullgraph=True)``:
+there each call is one registered op (``a2a.ops``: ``moe_a2a::prepare``, ``::dispatch``,
+``::dispatch_nvfp4``, ``::dispatch_mxfp8``, ``::combine``), opaque to the compiler, with
+outputs of static shapes (the capacity N*R) and T symbolic, so T may change between calls
+without a recompile (mark it dynamic: ``torch._dynamo.maybe_mark_dynamic(topk_ids, 0)``, same
+for x). Such a *traced* call (``torch.compiler.is_compiling()``, or an argument that is not a
+plain tensor, e.g. a fake tensor of ``make_fx``):
+
+- needs its workspaces made before the region: call :meth:`MoEAlltoall.allocate` on every rank
+  first (a missing one raises :class:`~a2a.resources.NotAllocated` while tracing);
+- runs the host checks (dtypes, shapes, T <= N, the plan's object) while tracing, where a
+  failure raises on that rank only; symbolic sizes become guards;
+- never agrees with the other ranks and never reads device memory, whatever ``agree`` and
+  ``check_inputs`` say, as a CUDA-graph replay: ids outside ``[0, S]`` are treated as padding,
+  timeouts of the Triton waits stay in the status buffers until :meth:`check_transport` or an
+  eager ``prepare(check_inputs=True)`` reads them, and a rank that errs or is missing is not
+  detected (the others wait in the data movement: the Triton transports until their spin
+  bound, the torch and FlashInfer ones until the process group's timeout). Every rank must
+  run the same calls traced: an eager call of an ``agree=True`` object on one rank meets no
+  agreement on the others and raises :class:`~a2a.agreement.PeerTimeout` (or, on the torch
+  transport, waits for the peers' next eager call).
+
+Eager calls do not go through the ops (the registered-op dispatch costs several microseconds
+of host time per call): they run the same functions directly, with the same results bit for
+bit. Prepare, dispatch and combine can also be captured in a CUDA graph, eagerly (with
+``check_inputs=False``) or compiled; replays neither agree nor check.
 """
 
 from __future__ import annotations
@@ -49,11 +78,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from a2a import ops
 from a2a.backends import resolve
 from a2a.config import DEFAULT_TIMEOUT_S, PrepareConfig, TransportConfig
-from a2a.workspace import check_row_bytes
+from a2a.resources import AlltoallResources
+from a2a.movement import AlltoallMovement
 from kernels.types import AlltoallPlan
 from kernels.spec.prepare import PREPARE_MAX_TOP_K
+from kernels.spec.quant import check_global_scale, check_global_scale_values
 from kernels.spec.tensors import check_expert_ids, check_tensor, check_top_k
 
 # Stages a MoEAlltoall runs, and the keys its ``backends`` dict may hold (a subset of
@@ -72,18 +104,16 @@ def _default_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
-def sum_over_slots(scattered: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """Combine's reduction: [T*k, H] rows -> [T, H], summed over k in float32 in slot order
-    (``kernels.reduce.sum_slots_in_order``, the order the Triton transport's fused reduction
-    repeats) and rounded once to the dtype of ``scattered``."""
-    from kernels.reduce import sum_slots_in_order
-    rows = scattered.view(num_tokens, top_k, scattered.shape[1])
-    return sum_slots_in_order(rows).to(scattered.dtype)
-
-
-def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
-    """[M, C] contiguous -> [M, C * itemsize] uint8 view (transports move bytes)."""
-    return rows.view(torch.uint8)
+def _traced(*tensors) -> bool:
+    """Whether a call is traced: inside torch.compile / export, or given tensors that are not
+    plain (fake tensors of make_fx, subclasses); such calls go through the registered ops.
+    (A loop, not a generator: this is on every eager call's path.)"""
+    if torch.compiler.is_compiling():
+        return True
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return True
+    return False
 
 
 class MoEAlltoall:
@@ -123,7 +153,8 @@ class MoEAlltoall:
                              ones until their spin bound, then with zeros), a missing or
                              out-of-step rank is not detected, and a broken object is known
                              only on its rank. Construction always agrees. A CUDA graph
-                             captures no agreement either way: replays do not agree.
+                             captures no agreement either way: replays do not agree; nor do
+                             traced (compiled) calls (see the module docstring).
 
     Raises (on every rank, before anything is sent) when the ranks disagree on the
     configuration, when one rank rejects it (E % R, FlashInfer's limits: E % 4 == 0 and
@@ -132,7 +163,8 @@ class MoEAlltoall:
     group to agree over).
 
     Attributes: ``ep_rank``, ``ep_size``, ``device``, ``backends`` (the resolved names),
-    ``transport_config``, ``prepare_config``, ``timeout``, ``agree``.
+    ``transport_config``, ``prepare_config``, ``timeout``, ``agree``, ``handle`` (the int the
+    registered ops name this object by, ``a2a.ops``), ``plan_layout`` (``a2a.ops.PlanLayout``).
     """
 
     def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, top_k: int,
@@ -155,9 +187,7 @@ class MoEAlltoall:
         self.timeout = timeout
         self.agree = agree
         self.backends: dict[str, str] = {}
-        self._workspaces: dict = {}
-        self._call_counters: dict = {}
-        self._transport_status: Optional[torch.Tensor] = None
+        self.handle: Optional[int] = None
         self._closed = False
         error: Optional[Exception] = None
         try:
@@ -169,6 +199,20 @@ class MoEAlltoall:
         self._agreement = Agreement(ep_group, self.ep_rank, self.ep_size,
                                     timeout if _valid_timeout(timeout) else DEFAULT_TIMEOUT_S)
         self._agreement.agree("construct", repr(self._configuration(backends)), error)
+        self._resources = AlltoallResources(
+            ep_group, self.device, ep_rank=self.ep_rank, ep_size=self.ep_size,
+            max_tokens_per_rank=max_tokens_per_rank, top_k=top_k, num_experts=num_experts,
+            slot_count=self.slot_count, backends=self.backends)
+        # Where the prepare op's two buffers hold the plan (a2a.ops); the op's handle.
+        self.plan_layout = ops.plan_layout(self.ep_size, max_tokens_per_rank, top_k,
+                                           self.slot_count)
+        self._movement = AlltoallMovement(
+            ep_group, ep_rank=self.ep_rank, ep_size=self.ep_size, num_experts=num_experts,
+            max_tokens_per_rank=max_tokens_per_rank, hidden_size=hidden_size,
+            slot_count=self.slot_count, backends=self.backends,
+            transport_config=self.transport_config, prepare_config=self.prepare_config,
+            resources=self._resources)
+        self.handle = ops.register(self)
 
     # -----------------------------------------------------------------------------------------
     # Construction helpers
@@ -273,75 +317,78 @@ class MoEAlltoall:
             self._break(f"{what} failed while moving data: {describe(exc)}")
             raise
 
-    def _workspace(self, kind: str) -> torch.Tensor:
-        """The [R, words] uint64 workspace of ``kind``, made on first use (collective)."""
-        if kind not in self._workspaces:
-            from a2a import workspace
-            if kind == "comm":
-                size = workspace.comm_workspace_bytes(self.ep_size)
-            elif kind == "flashinfer_prepare":
-                size = workspace.flashinfer_prepare_workspace_bytes(self.ep_size)
-            else:
-                size = workspace.triton_prepare_workspace_bytes(
-                    self.ep_size, self.max_tokens_per_rank, self.top_k, self.num_experts,
-                    self.slot_count)
-            self._workspaces[kind] = workspace.MnnvlWorkspace(self.group, size, self.device)
-        return self._workspaces[kind].tensor
-
     def flashinfer_comm_workspace(self) -> torch.Tensor:
         """FlashInfer's ``moe_comm`` workspace of this object ([R, words] uint64, made on first
         use: collective), for driving FlashInfer's own ``MnnvlMoe`` alltoallv with this
         object's plans (``a2a.flashinfer_comm.to_flashinfer_info``)."""
         self._check_usable()
-        return self._workspace("comm")
+        return self._resources.workspace("comm")
 
-    def _transport_workspace(self, kind: str, row_bytes: int):
-        """(workspace [R, words] uint64, call counter [1] int64) of the Triton transport for
-        ``kind`` ("dispatch" or "combine") rows of ``row_bytes`` bytes, made on first use
-        (collective: every rank makes the same ones in the same order)."""
-        key = f"triton_{kind}:{row_bytes}"
-        if key not in self._workspaces:
-            from a2a import workspace
-            size = workspace.triton_transport_workspace_bytes(
-                self.ep_size, self.max_tokens_per_rank, row_bytes)
-            self._workspaces[key] = workspace.MnnvlWorkspace(self.group, size, self.device)
-            self._call_counters[key] = torch.zeros(1, dtype=torch.int64, device=self.device)
-            if self._transport_status is None:
-                self._transport_status = torch.zeros(self.ep_size, dtype=torch.int64,
-                                                     device=self.device)
-        return self._workspaces[key].tensor, self._call_counters[key]
+    def allocate(self, dtypes=(torch.bfloat16,), quant=()) -> None:
+        """Make now every workspace that ``prepare`` and the dispatches and combines of
+        ``dtypes`` payloads, and ``dispatch(quant=q)`` for each q in ``quant``, use
+        (collective: every rank calls it with the same arguments; the ranks first agree, as
+        at every collective call, unless ``agree=False``). Eager calls make what they use on
+        first use; a compiled region cannot (see the module docstring), so call this before
+        it. Calling again only makes what is missing.
+
+        dtypes: payload dtypes of dispatch's x and combine's expert_out (bfloat16, float16,
+                float32).
+        quant:  quantized dispatch formats: "nvfp4", "mxfp8".
+        Raises before anything is made, on every rank, when a rank's arguments are bad or
+        its rows do not suit the transport (the MNNVL transports move rows of 16n bytes).
+        """
+        self._check_usable()
+        error: Optional[Exception] = None
+        try:
+            dtypes, quant = tuple(dtypes), tuple(quant)
+            for dtype in dtypes:
+                if dtype not in PAYLOAD_DTYPES:
+                    raise TypeError(f"allocate: dtype {dtype} must be one of {PAYLOAD_DTYPES}")
+            for fmt in quant:
+                if fmt not in QUANT_FORMATS:
+                    raise ValueError(f"allocate: quant={fmt!r} must be one of {QUANT_FORMATS}")
+            transfers = [(kind, self._movement.transfers(kind, None, dtype))
+                         for kind in ("dispatch", "combine") for dtype in dtypes]
+            transfers += [("dispatch", self._movement.transfers("dispatch", fmt, None))
+                          for fmt in quant]
+            for _, parts in transfers:
+                for name, row_bytes in parts:
+                    self._movement.check_row_bytes(name, row_bytes)
+        except Exception as exc:  # agreed on below: raised on every rank
+            error = exc
+        self._agree("allocate", repr((dtypes, quant)), error)
+
+        def make():
+            self._resources.prepare_state()
+            for kind, parts in transfers:
+                self._resources.transport_state(kind, [row_bytes for _, row_bytes in parts])
+        self._moving("allocate", make)
 
     def check_transport(self) -> None:
-        """Raise ``a2a.protocol.TransportTimeout`` naming the source ranks when a wait of the
-        Triton transport timed out since construction (reads a status buffer: a host sync);
-        the object is then broken (its workspaces are stale). Also done by every
-        ``prepare(check_inputs=True)``, where it raises on every rank. A no-op for the other
-        transports."""
-        error = self._transport_timeout()
+        """Raise ``a2a.protocol.PrepareTimeout`` or ``TransportTimeout`` naming the source
+        ranks when a wait of the Triton prepare or transport timed out since construction
+        (reads the status buffers: a host sync each); the object is then broken (its
+        workspaces are stale). Also done by every ``prepare(check_inputs=True)``, where it
+        raises on every rank. A no-op for the other backends. Traced (compiled) and captured
+        calls record their timeouts there too, unread until this is called."""
+        error = self._resources.timeout()
         if error is not None:
             self._break(str(error))
             raise error
 
-    def _transport_timeout(self) -> Optional[Exception]:
-        if self._transport_status is None:
-            return None
-        from a2a.protocol import TransportTimeout, raise_on_timeout
-        try:
-            raise_on_timeout(self._transport_status, self.ep_rank, "transport")
-        except TransportTimeout as exc:
-            return exc
-        return None
-
     def close(self) -> None:
         """Free the workspaces (collective when it holds any: the ranks first agree, like the
-        other collective calls); the object is unusable after. Closing twice is a no-op. A
+        other collective calls); the object is unusable after, and its handle is no longer
+        registered (a compiled graph calling it raises). Closing twice is a no-op. A
         broken object, or one whose closing agreement fails (a peer missing or at another
         call), frees nothing collectively (freeing waits for every rank): its workspaces are
         released when they are garbage-collected, or at exit."""
         if self._closed:
             return
         self._closed = True
-        workspaces, self._workspaces = self._workspaces, {}
+        ops.unregister(self.handle)
+        workspaces = self._resources.release()
         if not workspaces or self.broken is not None:
             return
         if self.agree:
@@ -381,16 +428,19 @@ class MoEAlltoall:
                       slots are sent nowhere and contribute nothing to combine.
         check_inputs: the checks that read device memory (a host sync each): range-check the
                       ids (an id outside ``[0, S]`` raises on every rank before anything is
-                      sent); read the Triton transport's timeout status (timeouts of earlier
-                      dispatch/combine calls, see :meth:`check_transport`: raised on every
-                      rank, the object is then broken); the Triton prepare also reads its own
-                      timeout status after the exchange and raises naming missing ranks.
+                      sent); read the timeout status of the Triton prepare and transport
+                      (timeouts of earlier calls, see :meth:`check_transport`: raised on
+                      every rank, the object is then broken); the Triton prepare also reads
+                      its status after the exchange and raises naming missing ranks.
                       False (benchmarks, CUDA graphs): none of these; an id outside
                       ``[0, S]`` is then treated as padding (sent nowhere) on every prepare
                       backend. The host checks (dtypes, shapes, T <= N) and the agreement
-                      with the other ranks run either way (unless ``agree=False``).
+                      with the other ranks run either way (unless ``agree=False``). A traced
+                      (compiled) call runs as with False and never agrees (module docstring).
         Returns this rank's :class:`AlltoallPlan` (expert_counts [R, S] filled).
         """
+        if _traced(topk_ids, topk_weights):
+            return self._traced_prepare(topk_ids, topk_weights, sanitize)
         self._check_usable()
         error: Optional[Exception] = None
         try:
@@ -398,41 +448,25 @@ class MoEAlltoall:
         except Exception as exc:  # agreed on below: raised on every rank
             error = exc
         if check_inputs and error is None:
-            timed_out = self._transport_timeout()
+            timed_out = self._resources.timeout()
             if timed_out is not None:  # the other ranks' agreement raises, naming this rank
                 self._break(str(timed_out))
                 raise timed_out
         self._agree("prepare", "", error)
-        return self._moving("prepare", lambda: self._run_prepare(topk_ids, topk_weights,
-                                                                 check_inputs))
+        return self._moving("prepare", lambda: self._movement.prepare(
+            topk_ids, topk_weights, self._resources.prepare_state(), check_inputs))
 
-    def _run_prepare(self, topk_ids, topk_weights, check_inputs: bool) -> AlltoallPlan:
-        backend = self.backends["prepare"]
-        if backend == "torch":
-            from a2a.torch_comm import torch_prepare
-            return torch_prepare(topk_ids, topk_weights, group=self.group,
-                                 num_experts=self.num_experts,
-                                 max_tokens_per_rank=self.max_tokens_per_rank,
-                                 slot_count=self.slot_count)
-        if backend == "flashinfer":
-            from a2a.flashinfer_comm import flashinfer_prepare
-            return flashinfer_prepare(topk_ids, topk_weights,
-                                      self._workspace("flashinfer_prepare"),
-                                      ep_rank=self.ep_rank, ep_size=self.ep_size,
-                                      max_tokens_per_rank=self.max_tokens_per_rank,
-                                      slot_count=self.slot_count)
-        from a2a.triton_prepare import triton_prepare
-        workspace = self._workspace("triton_prepare")
-        if "triton_prepare" not in self._call_counters:  # zeroed with the workspace
-            self._call_counters["triton_prepare"] = torch.zeros(
-                1, dtype=torch.int64, device=self.device)
-        return triton_prepare(topk_ids, topk_weights, workspace,
-                              ep_rank=self.ep_rank, ep_size=self.ep_size,
-                              num_experts=self.num_experts,
-                              max_tokens_per_rank=self.max_tokens_per_rank,
-                              slot_count=self.slot_count,
-                              call_counter=self._call_counters["triton_prepare"],
-                              config=self.prepare_config, check=check_inputs, check_ids=False)
+    def _traced_prepare(self, topk_ids, topk_weights, sanitize: bool) -> AlltoallPlan:
+        """prepare inside a compiled region: host checks, then the op (no agreement, no device
+        read); the plan is carved out of the op's two buffers."""
+        self._check_usable()
+        topk_ids = self._checked_routing(topk_ids, topk_weights, sanitize, False)
+        state = self._resources.prepare_state(create=False)
+        local, received = torch.ops.moe_a2a.prepare(self.handle, topk_ids, topk_weights, state)
+        return ops.plan_from_buffers(
+            local, received, self.plan_layout, ep_rank=self.ep_rank, ep_size=self.ep_size,
+            max_tokens_per_rank=self.max_tokens_per_rank, num_tokens=topk_ids.shape[0],
+            top_k=self.top_k, slot_count=self.slot_count)
 
     def _checked_routing(self, topk_ids, topk_weights, sanitize: bool,
                          check_ids: bool) -> torch.Tensor:
@@ -486,29 +520,8 @@ class MoEAlltoall:
             raise ValueError(f"plan is on {plan.send_rank_count_cumsum.device}, this "
                              f"MoEAlltoall on {self.device}")
 
-    def _check_rows(self, rows: torch.Tensor, name: str) -> None:
-        """The row size the MNNVL transports need (checked before the agreement)."""
-        if self.backends["transport"] in ("triton", "flashinfer"):
-            check_row_bytes(name, rows.shape[1] * rows.element_size())
-
-    def _dispatch_rows(self, rows: torch.Tensor, plan: AlltoallPlan) -> torch.Tensor:
-        if self.backends["transport"] == "triton":
-            from a2a import triton_transport
-            byte_rows = _as_bytes(rows)
-            workspace, counter = self._transport_workspace("dispatch", byte_rows.shape[1])
-            moved = triton_transport.triton_dispatch_rows(
-                byte_rows, plan, workspace, call_counter=counter,
-                status=self._transport_status, check=False, config=self.transport_config)
-        elif self.backends["transport"] == "flashinfer":
-            from a2a.flashinfer_comm import flashinfer_dispatch_rows
-            moved = flashinfer_dispatch_rows(_as_bytes(rows), plan, self._workspace("comm"))
-        else:
-            from a2a.torch_comm import torch_dispatch_rows
-            moved = torch_dispatch_rows(_as_bytes(rows), plan, self.group)
-        return moved.view(rows.dtype)
-
     def dispatch(self, x: torch.Tensor, plan: AlltoallPlan, *, quant: Optional[str] = None,
-                 global_scale: Optional[torch.Tensor] = None):
+                 global_scale: Optional[torch.Tensor] = None, check_values: bool = True):
         """Send every token's row to the ranks the plan names (collective).
 
         x:            [T, H] bfloat16 / float16 / float32 contiguous, T = plan.num_tokens.
@@ -520,18 +533,28 @@ class MoEAlltoall:
                       ``"mxfp8"``: likewise with MXFP8 codes and e8m0 scales (blocks of 32).
                       The same on every rank.
         global_scale: [1] float32, the NVFP4 global encode scale (448*6 / amax); nvfp4 only.
+        check_values: nvfp4: read the global scale (one host sync) and raise ValueError on every
+                      rank unless it is finite and in [2^-126, 2^126]
+                      (``kernels.spec.check_global_scale_value``); False skips the read (CUDA
+                      graph capture; a traced call never reads it).
         Every argument is checked, and x quantized locally, before the agreement with the
         other ranks: a rejection on any rank raises on every rank before anything is sent.
+        (A traced call checks while tracing, quantizes inside its op and never agrees.)
         Returns, rows by source rank then the source's send order, rows past total_recv 0:
         quant None: [N*R, H] of x's dtype; ``"nvfp4"``: (packed [N*R, H/2] uint8, two e2m1 per
         byte, scales [N*R, H/16] uint8 e4m3 bits); ``"mxfp8"``: (codes [N*R, H] and scales
         [N*R, H/32] uint8 e8m0, codes in the quantizer's dtype, float8_e4m3fn).
         """
+        if _traced(x, global_scale):
+            return self._traced_dispatch(x, plan, quant, global_scale)
         self._check_usable()
         error: Optional[Exception] = None
         move = None
         try:
-            move = self._staged_dispatch(x, plan, quant, global_scale)
+            self._check_dispatch(x, plan, quant, global_scale)
+            if quant == "nvfp4" and check_values:
+                check_global_scale_values(global_scale)
+            move = self._movement.stage_dispatch(x, plan, quant, global_scale, None)
         except Exception as exc:  # agreed on below: raised on every rank
             error = exc
         dtype = getattr(x, "dtype", None)
@@ -539,8 +562,8 @@ class MoEAlltoall:
                     error)
         return self._moving("dispatch", move)
 
-    def _staged_dispatch(self, x, plan, quant, global_scale) -> Callable:
-        """Check dispatch's arguments and quantize locally; returns the data movement."""
+    def _check_dispatch(self, x, plan, quant, global_scale) -> None:
+        """dispatch's host checks (shapes, dtypes, devices: no device read)."""
         self._check_plan(plan)
         check_tensor("x", x, dtype=PAYLOAD_DTYPES, ndim=2, device=self.device, contiguous=True)
         if tuple(x.shape) != (plan.num_tokens, self.hidden_size):
@@ -552,37 +575,27 @@ class MoEAlltoall:
         if quant != "nvfp4" and global_scale is not None:
             raise ValueError("global_scale is only used with quant='nvfp4'")
         if quant is None:
-            self._check_rows(x, "x")
-            return lambda: self._dispatch_rows(x, plan)
-        if quant == "nvfp4":
-            from kernels.spec.quant import check_global_scale
+            self._movement.check_rows(x, "x")
+        elif quant == "nvfp4":
             if global_scale is None:
                 raise ValueError("quant='nvfp4' needs global_scale ([1] float32, 448*6 / amax)")
             check_global_scale(global_scale, self.device)
-            if (self.transport_config.fused_nvfp4_dispatch
-                    and self.backends["transport"] == "triton"
-                    and self.backends["quantize"] == "triton" and x.shape[1] % 64 == 0):
-                return lambda: self._dispatch_nvfp4_fused(x, global_scale, plan)
-            from a2a.quantize import quantize_nvfp4
-            packed, scales = quantize_nvfp4(x, global_scale, layout="linear",
-                                            backend=self.backends["quantize"])
-            parts = (packed, scales.view(torch.uint8))
-            names = ("nvfp4 packed", "nvfp4 scales")
-        else:
-            from a2a.quantize import quantize_mxfp8
-            parts = quantize_mxfp8(x, backend=self.backends["quantize"])
-            names = ("mxfp8 codes", "mxfp8 scales")
-        for part, name in zip(parts, names):
-            self._check_rows(part, name)
-        return lambda: tuple(self._dispatch_rows(part, plan) for part in parts)
 
-    def _dispatch_nvfp4_fused(self, x, global_scale, plan):
-        from a2a import triton_transport
-        workspace, counter = self._transport_workspace(
-            "dispatch", triton_transport.nvfp4_row_bytes(x.shape[1]))
-        return triton_transport.triton_dispatch_nvfp4(
-            x, global_scale, plan, workspace, call_counter=counter,
-            status=self._transport_status, check=False, config=self.transport_config)
+    def _traced_dispatch(self, x, plan, quant, global_scale):
+        """dispatch inside a compiled region: host checks, then one op (which quantizes)."""
+        self._check_usable()
+        self._check_dispatch(x, plan, quant, global_scale)
+        if quant is not None:
+            for name, row_bytes in self._movement.transfers("dispatch", quant, x.dtype):
+                self._movement.check_row_bytes(name, row_bytes)
+        state = self._movement.transport_state("dispatch", quant, x.dtype, create=False)
+        tensors = ops.plan_tensors(plan)
+        if quant is None:
+            return torch.ops.moe_a2a.dispatch(self.handle, x, tensors, state)
+        if quant == "nvfp4":
+            return torch.ops.moe_a2a.dispatch_nvfp4(self.handle, x, global_scale, tensors,
+                                                    state)
+        return torch.ops.moe_a2a.dispatch_mxfp8(self.handle, x, tensors, state)
 
     def combine(self, expert_out: torch.Tensor, plan: AlltoallPlan) -> torch.Tensor:
         """Return every received row to its source and sum over k (collective).
@@ -593,42 +606,98 @@ class MoEAlltoall:
                     total_recv are not read. The same dtype on every rank.
         plan:       the plan the rows were dispatched with.
         The arguments are checked before the agreement with the other ranks (a rejection on
-        any rank raises on every rank before anything is sent).
+        any rank raises on every rank before anything is sent; a traced call checks while
+        tracing and never agrees).
         Returns [T, H] of expert_out's dtype: per token, the rows returned by every rank it
-        went to, summed in float32 in slot order and rounded once (:func:`sum_over_slots`).
+        went to, summed in float32 in slot order and rounded once
+        (:func:`a2a.movement.sum_over_slots`).
         """
+        if _traced(expert_out):
+            return self._traced_combine(expert_out, plan)
         self._check_usable()
         error: Optional[Exception] = None
         try:
-            self._check_plan(plan)
-            check_tensor("expert_out", expert_out, dtype=PAYLOAD_DTYPES, ndim=2,
-                         device=self.device, contiguous=True)
-            rows = self.max_tokens_per_rank * self.ep_size
-            if tuple(expert_out.shape) != (rows, self.hidden_size):
-                raise ValueError(f"expert_out has shape {tuple(expert_out.shape)}, expected "
-                                 f"{(rows, self.hidden_size)} (dispatch's rows, N*R)")
-            self._check_rows(expert_out, "expert_out")
+            self._check_combine(expert_out, plan)
         except Exception as exc:  # agreed on below: raised on every rank
             error = exc
         self._agree("combine", f"expert_out {getattr(expert_out, 'dtype', None)}", error)
-        return self._moving("combine", lambda: self._run_combine(expert_out, plan))
+        return self._moving("combine", lambda: self._movement.combine(
+            expert_out, plan, self._movement.transport_state("combine", None, expert_out.dtype)))
 
-    def _run_combine(self, expert_out: torch.Tensor, plan: AlltoallPlan) -> torch.Tensor:
-        if self.backends["transport"] == "triton":  # the reduction is fused: same adds
-            from a2a import triton_transport
-            rows = _as_bytes(expert_out)
-            workspace, counter = self._transport_workspace("combine", rows.shape[1])
-            return triton_transport.triton_combine(
-                rows, plan, workspace, dtype=expert_out.dtype, call_counter=counter,
-                status=self._transport_status, check=False, config=self.transport_config)
-        if self.backends["transport"] == "flashinfer":
-            from a2a.flashinfer_comm import flashinfer_combine_rows
-            scattered = flashinfer_combine_rows(_as_bytes(expert_out), plan,
-                                                self._workspace("comm"))
-        else:
-            from a2a.torch_comm import torch_combine_rows
-            scattered = torch_combine_rows(_as_bytes(expert_out), plan, self.group)
-        return sum_over_slots(scattered.view(expert_out.dtype), plan.num_tokens, plan.top_k)
+    def _check_combine(self, expert_out, plan) -> None:
+        """combine's host checks (shapes, dtypes, devices: no device read)."""
+        self._check_plan(plan)
+        check_tensor("expert_out", expert_out, dtype=PAYLOAD_DTYPES, ndim=2,
+                     device=self.device, contiguous=True)
+        rows = self.max_tokens_per_rank * self.ep_size
+        if tuple(expert_out.shape) != (rows, self.hidden_size):
+            raise ValueError(f"expert_out has shape {tuple(expert_out.shape)}, expected "
+                             f"{(rows, self.hidden_size)} (dispatch's rows, N*R)")
+        self._movement.check_rows(expert_out, "expert_out")
+
+    def _traced_combine(self, expert_out, plan) -> torch.Tensor:
+        """combine inside a compiled region: host checks, then the op."""
+        self._check_usable()
+        self._check_combine(expert_out, plan)
+        state = self._movement.transport_state("combine", None, expert_out.dtype, create=False)
+        return torch.ops.moe_a2a.combine(self.handle, expert_out, ops.plan_tensors(plan),
+                                         plan.num_tokens, state)
+
+    # -----------------------------------------------------------------------------------------
+    # What the registered ops run (a2a.ops)
+    # -----------------------------------------------------------------------------------------
+
+    def _op_plan(self, tensors: list, num_tokens: int) -> AlltoallPlan:
+        return ops.plan_of(tensors, ep_rank=self.ep_rank, ep_size=self.ep_size,
+                           max_tokens_per_rank=self.max_tokens_per_rank,
+                           num_tokens=num_tokens, top_k=self.top_k,
+                           slot_count=self.slot_count)
+
+    def _op_moved(self, stage: str, state: list) -> None:
+        """After an op's data movement: count it in the sequence counter when that is the
+        state the op declares (torch and FlashInfer backends)."""
+        if self.backends[stage] != "triton":
+            state[0].add_(1)
+
+    def move_prepare(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     state: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body of ``moe_a2a::prepare``: the prepare's data movement on checked arguments
+        (as ``check_inputs=False``; no agreement), writing ``state``
+        (``a2a.resources``); returns the plan as ``a2a.ops.plan_buffers``."""
+        self._check_usable()
+
+        def move():
+            plan = self._movement.prepare(topk_ids, topk_weights, state, False)
+            self._op_moved("prepare", state)
+            return ops.plan_buffers(plan, self.plan_layout)
+        return self._moving("prepare", move)
+
+    def move_dispatch(self, x: torch.Tensor, tensors: list, quant: Optional[str],
+                      global_scale: Optional[torch.Tensor], state: list):
+        """The body of the ``moe_a2a::dispatch*`` ops: quantize (``quant``) and move x's rows
+        with the plan of ``tensors`` (``a2a.ops.plan_tensors``), writing ``state``."""
+        self._check_usable()
+        plan = self._op_plan(tensors, x.shape[0])
+        staged = self._movement.stage_dispatch(x, plan, quant, global_scale, state)
+
+        def move():
+            moved = staged()
+            self._op_moved("transport", state)
+            return moved
+        return self._moving("dispatch", move)
+
+    def move_combine(self, expert_out: torch.Tensor, tensors: list, num_tokens: int,
+                     state: list) -> torch.Tensor:
+        """The body of ``moe_a2a::combine``: return and reduce the rows with the plan of
+        ``tensors`` for ``num_tokens`` tokens, writing ``state``."""
+        self._check_usable()
+        plan = self._op_plan(tensors, num_tokens)
+
+        def move():
+            out = self._movement.combine(expert_out, plan, state)
+            self._op_moved("transport", state)
+            return out
+        return self._moving("combine", move)
 
 
 def _valid_timeout(timeout) -> bool:

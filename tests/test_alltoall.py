@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from a2a.agreement import BrokenAlltoall, PeerRejected, PeerTimeout
-from a2a.alltoall import MoEAlltoall, sum_over_slots
+from a2a.alltoall import MoEAlltoall
+from a2a.movement import sum_over_slots
 from a2a.backends import BackendUnavailable, flashinfer_installed
 from a2a.config import PrepareConfig, TransportConfig
 from kernels import reference
@@ -396,6 +397,24 @@ def _scenario_nvfp4_scale_of_two(rank, bad):
         _still_usable(a2a, rank)
 
 
+def _scenario_nvfp4_scale_not_finite(rank, bad):
+    """A NaN global scale on one rank (its value is read before the agreement): ValueError
+    there, the peers' rejection on the others; with check_values=False nobody reads it and
+    the call goes through on every rank."""
+    with _small_a2a() as a2a:
+        ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=48)
+        plan = a2a.prepare(ids, weights)
+        x = make_payload(rank, 3, HANG_H, seed=48).bfloat16()
+        scale = torch.full((1,), float("nan") if rank == bad else 1.0)
+        with pytest.raises(ValueError, match="global_scale holds nan") \
+                if rank == bad else _peer_error(bad):
+            a2a.dispatch(x, plan, quant="nvfp4", global_scale=scale)
+        packed, _ = a2a.dispatch(x, plan, quant="nvfp4", global_scale=scale,
+                                 check_values=False)
+        assert packed.shape == (a2a.max_tokens_per_rank * a2a.ep_size, HANG_H // 2)
+        _still_usable(a2a, rank)
+
+
 def _scenario_combine_wrong_shape(rank, bad):
     with _small_a2a() as a2a:
         ids, weights = make_routing(rank, 3, HANG_E, HANG_K, seed=46)
@@ -483,7 +502,8 @@ def _scenario_agreements_leave_no_keys(rank, bad):
 
 HANG_SCENARIOS = [_scenario_constructor_backends_string, _scenario_too_many_tokens_unchecked,
                   _scenario_padding_ids_unchecked, _scenario_dispatch_float64,
-                  _scenario_nvfp4_scale_of_two, _scenario_combine_wrong_shape,
+                  _scenario_nvfp4_scale_of_two, _scenario_nvfp4_scale_not_finite,
+                  _scenario_combine_wrong_shape,
                   _scenario_raise_between_prepare_and_dispatch, _scenario_out_of_step,
                   _scenario_broken_rank_poisons_the_next_call,
                   _scenario_agreements_leave_no_keys]

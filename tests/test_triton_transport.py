@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from a2a import triton_transport as tt
-from a2a.alltoall import sum_over_slots
+from a2a.movement import sum_over_slots
 from a2a.config import TransportConfig
 from a2a.protocol import TransportTimeout, raise_on_timeout
 from kernels import reference as ref

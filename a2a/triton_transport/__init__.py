@@ -24,7 +24,7 @@ slot into codes and scales.
 combine:  send = (recv_rank_count_cumsum, recv_rank_local_indices), then either
 :func:`triton_combine_rows`: recv = (send_rank_count_cumsum,
 backward_recv_rank_local_indices) into zeros ``[T*k, B]``, reduced by the caller
-(``a2a.alltoall.sum_over_slots``); or :func:`triton_combine` (what ``MoEAlltoall`` uses),
+(``a2a.movement.sum_over_slots``); or :func:`triton_combine` (what ``MoEAlltoall`` uses),
 which reduces in the receive kernel, in slot order in float32, bit-identical to the other
 transports without the ``[T*k, B]`` buffer.
 

@@ -170,7 +170,9 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
 
     x:            [T, H] bf16/fp16/fp32, T = plan.num_tokens, H % 64 == 0 (the scales of a
                   row are whole 32-bit words).
-    global_scale: [1] float32 NVFP4 encode scale on x's device.
+    global_scale: [1] float32 NVFP4 encode scale on x's device. Its value is not read here
+                  (a collective must not raise on one rank alone): ``MoEAlltoall.dispatch``
+                  checks it before the ranks agree.
     workspace:    as in :func:`triton_dispatch_rows` for rows of ``nvfp4_row_bytes(H)`` bytes
                   (its own workspace and counter).
     config:       as in :func:`triton_dispatch_rows`; ``config.nvfp4_launch`` is the tile of
