@@ -2,6 +2,9 @@
 workspaces, transports, the cross-rank prepare and the dispatcher.
 
 FlashInfer is imported lazily, only inside its adapters: ``import a2a`` never imports it.
+``print(a2a.describe())`` says what each stage's ``"auto"`` resolves to here, and why the other
+backends cannot run; ``repr(MoEAlltoall(...))`` names the backends an object resolved; the
+``a2a`` logger writes each resolution at DEBUG level.
 """
 
 import kernels as _kernels
@@ -15,11 +18,11 @@ if getattr(_kernels, "PROJECT", None) != "triton-moe-a2a":
         f"(pip uninstall kernels, then reinstall triton-moe-a2a)")
 
 from a2a.backends import (BACKENDS, STAGES, BackendUnavailable, available_backends,
-                          default_backends, resolve, why_unavailable)
+                          default_backends, describe, resolve, why_unavailable)
 from a2a.alltoall import MoEAlltoall
 from a2a.config import PrepareConfig, TransportConfig
 from kernels.types import AlltoallPlan
 
 __all__ = ["AlltoallPlan", "MoEAlltoall", "BACKENDS", "STAGES", "BackendUnavailable",
            "PrepareConfig", "TransportConfig", "available_backends", "default_backends",
-           "resolve", "why_unavailable"]
+           "describe", "resolve", "why_unavailable"]

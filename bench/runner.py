@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 
 from bench.stages import Path, Stage, Sweep, Unavailable
-from bench.timing import (CaptureFailed, Timing, brief_error, kernel_times, time_cpu, time_fixed,
-                          time_gpu, time_graph_fixed, with_remark)
+from bench.timing import (CaptureFailed, Timing, brief_error, kernel_times, nvtx_range, time_cpu,
+                          time_fixed, time_gpu, time_graph_fixed, with_remark)
 
 
 @dataclass
@@ -160,7 +160,10 @@ def run_shape(stage: Stage, shape: dict, ctx: RunContext, *,
         for path in paths:
             if backends is not None and path.backend not in backends:
                 continue  # the oracle ran only to check the others
-            records.append(_run_path(stage, shape, ctx, inputs, path, ref, ref_note))
+            # a profiler's timeline (nsys, torch.profiler) shows which stage, shape and path
+            # each check and timing loop belongs to
+            with nvtx_range(f"{stage.name} {shape_label(shape)} {path.backend}", ctx.device):
+                records.append(_run_path(stage, shape, ctx, inputs, path, ref, ref_note))
             if ctx.device.type == "cuda":  # an asynchronous error shows up in its own row
                 torch.cuda.synchronize(ctx.device)
     finally:

@@ -23,6 +23,7 @@ bandwidth; every row reports its fraction of these.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -84,6 +85,20 @@ def _from_samples(samples_ms: list[float], method: str) -> Timing:
     return Timing(statistics.median(ordered) * 1e3, _quantile(ordered, LOW_Q) * 1e3,
                   _quantile(ordered, HIGH_Q) * 1e3, method,
                   std_us=statistics.pstdev(ordered) * 1e3)
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str, device: torch.device):
+    """An NVTX range named ``name`` around the block on a CUDA ``device`` (a profiler's
+    timeline then names what ran); nothing on other devices."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
 
 
 def with_remark(timing: Timing, remark: str) -> Timing:

@@ -101,6 +101,8 @@ def test_describe_names_every_stage_and_the_reasons():
     for stage in backends.STAGES:
         assert f"{stage}: 'auto' -> " in text
     assert "flashinfer: not here:" in text
+    import a2a
+    assert a2a.describe is backends.describe and "describe" in a2a.__all__
 
 
 def test_resolve_logs_its_choice(caplog):

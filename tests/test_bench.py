@@ -832,3 +832,33 @@ def test_tune_rotating_outputs_cycle_and_stay_exact(device):
     assert len(set(pointers)) >= 2 and pointers[0] != pointers[1]
     for out in outs:
         assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+def _record_nvtx(monkeypatch) -> list:
+    """The names pushed as NVTX ranges from now on (torch's range_push, still called on a GPU)."""
+    pushed = []
+    push = torch.cuda.nvtx.range_push
+
+    def record(name):
+        pushed.append(name)
+        return push(name) if torch.cuda.is_available() else 0
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", record)
+    return pushed
+
+
+@pytest.mark.gpu
+def test_gpu_stage_calls_carry_nvtx_ranges(monkeypatch):
+    """Every path's check and timing runs inside an NVTX range named stage, shape and path:
+    the names a profiler timeline shows."""
+    pushed = _record_nvtx(monkeypatch)
+    ctx = RunContext(device=torch.device("cuda"), gpu=torch.cuda.get_device_name())
+    records = run_stages([_cumsum_stage()], TINY, ctx, progress=False)
+    expected = [f"cumsum tokens={r['shape']['tokens']} {r['backend']}" for r in records]
+    assert [name for name in pushed if name.startswith("cumsum ")] == expected
+
+
+def test_no_nvtx_ranges_off_a_gpu(monkeypatch):
+    pushed = _record_nvtx(monkeypatch)
+    ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
+    run_stages([_cumsum_stage()], TINY, ctx, progress=False)
+    assert pushed == []
