@@ -32,11 +32,13 @@ from a2a.backends import flashinfer_installed, why_unavailable
 from a2a.config import TransportConfig
 from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce
 from a2a.routing import route_topk
-from bench.stages import Path, Stage, Unavailable, assert_same, generator, make_path, make_topk
+from bench.stages import (DEEPSEEK_GROUPS, DEEPSEEK_SCALING, DEEPSEEK_TOPK_GROUPS, Path, Stage,
+                          Unavailable, assert_same, generator, make_path, make_topk)
 from kernels import quantize, reference
 
 # DeepSeek-V3 routing in the layer (runs on FlashInfer on SM90 too).
-LAYER_ROUTING = dict(method="deepseek_v3", num_groups=8, topk_groups=4, routed_scaling=2.5)
+LAYER_ROUTING = dict(method="deepseek_v3", num_groups=DEEPSEEK_GROUPS,
+                     topk_groups=DEEPSEEK_TOPK_GROUPS, routed_scaling=DEEPSEEK_SCALING)
 ONE_SIDED = "flashinfer_one_sided"
 FUSED = "triton_fused"  # NVFP4 dispatch with the quantizer in the Triton send kernel
 OVERLAPPED = "triton_overlap"  # bf16 dispatch as one launch of send and receive programs

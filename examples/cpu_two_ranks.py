@@ -36,6 +36,7 @@ def expert_scales(expert_ids: torch.Tensor) -> torch.Tensor:
 
 
 def layer_step(rank: int, world_size: int, port: int) -> None:
+    # README begin (the README's "Using it" shows the lines up to "README end")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     generator = torch.Generator().manual_seed(rank)
@@ -66,6 +67,7 @@ def layer_step(rank: int, world_size: int, port: int) -> None:
         expert_out = unpermute_and_reduce(rows, order, plan.recv_weights, backend="triton")
 
         out = ep.combine(expert_out, plan)      # [T, H]: back to the tokens, summed over k
+        # README end
 
     expected = x * (weights * expert_scales(ids)).sum(dim=1, keepdim=True)
     torch.testing.assert_close(out, expected, **FLOAT_TOLERANCES[torch.float32])

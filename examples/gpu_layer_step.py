@@ -31,6 +31,7 @@ def expert_scales(expert_ids: torch.Tensor) -> torch.Tensor:
 
 
 def layer_step(rank: int, world_size: int, port: int) -> None:
+    # README begin (the README's "Using it" shows the lines up to "README end")
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -67,6 +68,7 @@ def layer_step(rank: int, world_size: int, port: int) -> None:
             rows[segment] *= expert_scales(torch.tensor(rank * local + e))
         expert_out = unpermute_and_reduce(rows, order, plan.recv_weights, backend="triton")
         out = ep.combine(expert_out, plan)      # [T, H] float32
+        # README end
 
     own_codes, own_scales = quantize_nvfp4(x, global_scale, backend="triton")
     restored = dequantize_nvfp4(own_codes, own_scales, global_scale, backend="triton")

@@ -84,7 +84,7 @@ class LocalSendPlan(_TensorRecord):
 
 @dataclass(frozen=True)
 class AlltoallPlan(_TensorRecord):
-    """One rank's full prepare result: design.md's contract, the drop-in for FlashInfer's
+    """One rank's full prepare result: docs/design.md's contract, the drop-in for FlashInfer's
     ``MoEAlltoallInfo`` plus the received expert ids and weights.
 
     N = max_tokens_per_rank (same on every rank), R = ep_size, S = slot_count, k = top_k.

@@ -229,7 +229,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
                    out_scales: Optional[torch.Tensor] = None,
                    rows: Optional[torch.Tensor] = None,
                    check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize rows of ``x`` (design.md's IEEE recipe, bit-exact).
+    """NVFP4-quantize rows of ``x`` (docs/design.md's IEEE recipe, bit-exact).
 
     x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides.
     global_scale: [1] fp32 encode scale on x's device, e.g. ``nvfp4_global_scale(x)``; it
