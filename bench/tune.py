@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch
 
 from bench.report import gpu_name
+from bench.stages import DEEPSEEK_GROUPS, DEEPSEEK_SCALING, DEEPSEEK_TOPK_GROUPS
 from bench.timing import time_graph, time_graph_flushed
 
 SEED = 0
@@ -171,24 +172,20 @@ ROUTING_EMPTY_FLOOR_TOKENS = (16,)
 
 
 def routing_variants() -> list:
-    """The routing launch variants timed: the default, the form before the int32 rounds, the
-    best other choice of the earlier sweeps (compact=COMPACT_RELOAD), each shortening of the
-    small-T chain alone (the branch-free sigmoid division, the rounds over sorted per-lane
-    queues, the one-pass group top-2), their combinations, and the combination with each
-    remaining choice that may still help it."""
+    """The routing launch variants timed: the default, the two earlier forms (the int32 rounds
+    over whole rows, the int64 rounds), the default with each of its three shortenings of the
+    small-T chain undone (the rounds over sorted per-lane queues, the branch-free sigmoid
+    division, the one-pass group top-2), and the default with each remaining choice that may
+    still help it."""
     from kernels import routing as K
-    fast = dict(reciprocal=K.RECIP_FMA, keys=K.KEYS_QUEUES, group_top2=K.TOP2_PAIRS)
-    return [None, K.PACKED64_ROUTING,
+    return [None, K.SPLIT32_ROUTING, K.PACKED64_ROUTING,
+            K.RoutingLaunch(keys=K.KEYS_SPLIT32),
+            K.RoutingLaunch(reciprocal=K.RECIP_DIV_RN),
+            K.RoutingLaunch(group_top2=K.TOP2_COUNT),
             K.RoutingLaunch(compact=K.COMPACT_RELOAD),
-            K.RoutingLaunch(reciprocal=K.RECIP_FMA),
-            K.RoutingLaunch(keys=K.KEYS_QUEUES),
-            K.RoutingLaunch(group_top2=K.TOP2_PAIRS),
-            K.RoutingLaunch(reciprocal=K.RECIP_FMA, keys=K.KEYS_QUEUES),
-            K.RoutingLaunch(**fast),
-            K.RoutingLaunch(**fast, compact=K.COMPACT_RELOAD),
-            K.RoutingLaunch(**fast, weights_from=K.WEIGHTS_LOAD_EACH),
-            K.RoutingLaunch(**fast, group_select=K.GROUP_ROUNDS),
-            K.RoutingLaunch(**fast, rows_per_program=2)]
+            K.RoutingLaunch(weights_from=K.WEIGHTS_LOAD_EACH),
+            K.RoutingLaunch(group_select=K.GROUP_ROUNDS),
+            K.RoutingLaunch(rows_per_program=2)]
 
 
 def _routing_floors(logits: torch.Tensor, tokens: int) -> dict:
@@ -214,7 +211,8 @@ def _routing_cases(device) -> list[Case]:
         logits = torch.randn(tokens, 256, generator=generator).to(device)
         bias = (torch.randn(256, generator=generator) * 0.1).to(device)
         args = (logits, 8, "deepseek_v3")
-        kwargs = dict(bias=bias, num_groups=8, topk_groups=4, routed_scaling=2.5)
+        kwargs = dict(bias=bias, num_groups=DEEPSEEK_GROUPS, topk_groups=DEEPSEEK_TOPK_GROUPS,
+                      routed_scaling=DEEPSEEK_SCALING)
         cases.append(Case(
             f"deepseek_v3 T={tokens} E=256 k=8 groups 8/4",
             _with_launch(lambda args=args, kwargs=kwargs, **kw: K.route_topk(*args, **kwargs,
@@ -228,9 +226,9 @@ def _routing_cases(device) -> list[Case]:
         "softmax_topk T=8192 E=128 k=4",
         _with_launch(lambda **kw: K.route_topk(softmax, 4, "softmax_topk", **kw)),
         lambda: R.route_topk(softmax, 4, "softmax_topk"),
-        [None, K.RoutingLaunch(keys=K.KEYS_PACKED64),
-         K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY), K.RoutingLaunch(keys=K.KEYS_QUEUES),
-         K.RoutingLaunch(keys=K.KEYS_QUEUES, rows_per_program=4)]
+        [None, K.RoutingLaunch(keys=K.KEYS_PACKED64), K.RoutingLaunch(keys=K.KEYS_SPLIT32),
+         K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY),
+         K.RoutingLaunch(keys=K.KEYS_SPLIT32, rows_per_program=4)]
         + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2]),
         kernel="routing", graph=True, checked=1))
     return cases

@@ -160,17 +160,30 @@ class RoutingLaunch:
     target_programs: int = 1024
     rows_per_program: Optional[int] = None
     compact: int = COMPACT_NONE
-    keys: int = KEYS_SPLIT32
+    keys: int = KEYS_QUEUES
     group_select: int = GROUP_COUNT
     weights_from: int = WEIGHTS_RELOAD
-    reciprocal: int = RECIP_DIV_RN
-    group_top2: int = TOP2_COUNT
+    reciprocal: int = RECIP_FMA
+    group_top2: int = TOP2_PAIRS
 
 
+# The default: the sorted per-lane queues, the branch-free sigmoid division and the one-pass
+# group top-2 together were the fastest form at every DeepSeek-V3 token count bench.tune times
+# (its JSON in bench/results).
 DEFAULT_ROUTING = RoutingLaunch()
-# The earlier kernel's int64 rounds for the experts and the groups: kept so that bench.tune
-# times them beside the default.
-PACKED64_ROUTING = RoutingLaunch(keys=KEYS_PACKED64, group_select=GROUP_ROUNDS)
+# Earlier forms, kept so that bench.tune times them beside the default: the int32 rounds over
+# whole rows with div.rn and the two-step group top-2, and the int64 rounds before them.
+SPLIT32_ROUTING = RoutingLaunch(keys=KEYS_SPLIT32, reciprocal=RECIP_DIV_RN, group_top2=TOP2_COUNT)
+PACKED64_ROUTING = RoutingLaunch(keys=KEYS_PACKED64, group_select=GROUP_ROUNDS,
+                                 reciprocal=RECIP_DIV_RN, group_top2=TOP2_COUNT)
+
+
+def default_launch() -> RoutingLaunch:
+    """The launch of ``route_topk(launch=None)``: :data:`DEFAULT_ROUTING` with compiled Triton;
+    :data:`SPLIT32_ROUTING` under Triton's interpreter, where the sorted queues and the
+    written-out division cost the most interpreted operations (every launch gives the same
+    bits, so only the time differs; an explicit ``launch`` is always taken as given)."""
+    return SPLIT32_ROUTING if interpreting() else DEFAULT_ROUTING
 
 
 # How the weights are formed (the ``WEIGHTS`` constexpr of the kernel).
@@ -776,7 +789,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
 
 def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_groups=None,
                topk_groups=None, routed_scaling: float = 1.0,
-               launch: RoutingLaunch = DEFAULT_ROUTING):
+               launch: Optional[RoutingLaunch] = None):
     """Top-k expert routing (Triton). Same contract as ``kernels.reference.route_topk``.
 
     Args:
@@ -787,7 +800,7 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         num_groups: DeepSeek-V3 expert groups (divides E); default 1.
         topk_groups: DeepSeek-V3 groups kept per token; default ``num_groups`` (all).
         routed_scaling: factor applied to every weight.
-        launch: the launch rule (:class:`RoutingLaunch`); the default is the fixed rule.
+        launch: the launch rule (:class:`RoutingLaunch`); None: :func:`default_launch`.
 
     Returns:
         topk_ids: [T, k] int32, expert ids in descending selection score (NaN lowest), ties
@@ -803,4 +816,5 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         raise ValueError(f"logits have {logits.shape[1]} experts; the Triton routing kernel "
                          f"holds a row in registers and takes E <= {MAX_EXPERTS} "
                          f"(use backend='torch')")
-    return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling, launch)
+    return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
+                   default_launch() if launch is None else launch)

@@ -118,7 +118,7 @@ def launch_everything() -> None:
     # 2 rows per program, with 16 values per lane (E=384) and with bf16 logits (8 per vector)
     fast = dict(keys=routing.KEYS_QUEUES, reciprocal=routing.RECIP_FMA,
                 group_top2=routing.TOP2_PAIRS)
-    for launch in (routing.RoutingLaunch(), routing.PACKED64_ROUTING,
+    for launch in (routing.RoutingLaunch(), routing.SPLIT32_ROUTING, routing.PACKED64_ROUTING,
                    routing.RoutingLaunch(compact=routing.COMPACT_GATHER,
                                          weights_from=routing.WEIGHTS_CARRY),
                    routing.RoutingLaunch(compact=routing.COMPACT_RELOAD,

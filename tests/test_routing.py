@@ -399,11 +399,11 @@ SELECTION_FIELDS = dict(
     group_select=[routing.GROUP_COUNT, routing.GROUP_ROUNDS],
     compact=[routing.COMPACT_NONE, routing.COMPACT_GATHER, routing.COMPACT_RELOAD],
     weights_from=[routing.WEIGHTS_RELOAD, routing.WEIGHTS_CARRY, routing.WEIGHTS_LOAD_EACH])
-# (reciprocal, group_top2): the defaults, and the forms that shorten the small-T chain
+# (reciprocal, group_top2): the earlier forms, and the default ones that shorten the small-T chain
 CHAIN_FORMS = [(routing.RECIP_DIV_RN, routing.TOP2_COUNT), (routing.RECIP_FMA, routing.TOP2_PAIRS)]
 FAST = dict(reciprocal=routing.RECIP_FMA, keys=routing.KEYS_QUEUES,
             group_top2=routing.TOP2_PAIRS)
-VARIANTS = [routing.PACKED64_ROUTING,
+VARIANTS = [routing.SPLIT32_ROUTING, routing.PACKED64_ROUTING,
             routing.RoutingLaunch(keys=routing.KEYS_PACKED64),
             routing.RoutingLaunch(group_select=routing.GROUP_ROUNDS),
             routing.RoutingLaunch(compact=routing.COMPACT_GATHER),
@@ -594,3 +594,12 @@ def test_routing_launch_floor_kernels(device):
     assert floor.row_ids(logits[:0], 8).shape == (0, 8)
     with pytest.raises(ValueError, match="power-of-two top_k"):
         floor.row_ids(logits, 6)
+
+
+def test_default_launch_is_the_tuned_rule_on_a_gpu_and_the_split_rounds_interpreted():
+    """route_topk(launch=None) takes DEFAULT_ROUTING with compiled Triton and SPLIT32_ROUTING
+    under the interpreter (the same bits: every launch is checked against the oracle)."""
+    from kernels.hardware import interpreting
+    expected = routing.SPLIT32_ROUTING if interpreting() else routing.DEFAULT_ROUTING
+    assert routing.default_launch() == expected
+    assert routing.DEFAULT_ROUTING.keys == routing.KEYS_QUEUES
