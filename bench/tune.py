@@ -9,7 +9,8 @@ the torch oracle (routing: the ids), and times it the way ``python -m bench`` ti
 has the op. Defaults are chosen from the rows of such a run, and the JSON it writes
 (``bench/results/tune-<gpu>-<time>.json``) is the record of that choice. The NVFP4 case also
 times ``bench.floor`` (the same bytes read and written with no arithmetic), the yardstick for
-how close the quantizer is to the memory system's limit for its traffic. Flushed cases are also
+how close the quantizer is to the memory system's limit for its traffic; the routing cases time
+the launch floor of routing's launch shape the same way (``floor:`` rows). Flushed cases are also
 timed back to back without the flush (``steady_us``): every call's reads miss L2 anyway, and
 the previous call's writes drain during the next one.
 
@@ -161,25 +162,46 @@ def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str,
 
 # DeepSeek-V3 routing is timed beside FlashInfer's fused_topk_deepseek from 1 to 8192 tokens:
 # one row per program up to 1024 tokens, so the small counts time the latency of one program's
-# chain of reductions, 8192 the throughput.
+# chain of reductions, 8192 the throughput. At a few counts the launch floor is timed too
+# (bench/floor.py): an empty kernel (T=16) and a kernel that only loads each row and stores k
+# ids, one warp per row (T=1, 16, 128): how much of a call is launch spacing in the graph.
 ROUTING_TOKENS = (1, 16, 64, 128, 512, 2048, 8192)
+ROUTING_ROW_FLOOR_TOKENS = (1, 16, 128)
+ROUTING_EMPTY_FLOOR_TOKENS = (16,)
 
 
 def routing_variants() -> list:
-    """The routing launch variants timed: the default, the form before the int32 rounds, each
-    choice of the default changed alone, and the row and warp counts."""
+    """The routing launch variants timed: the default, the form before the int32 rounds, the
+    best other choice of the earlier sweeps (compact=COMPACT_RELOAD), each shortening of the
+    small-T chain alone (the branch-free sigmoid division, the rounds over sorted per-lane
+    queues, the one-pass group top-2), their combinations, and the combination with each
+    remaining choice that may still help it."""
     from kernels import routing as K
+    fast = dict(reciprocal=K.RECIP_FMA, keys=K.KEYS_QUEUES, group_top2=K.TOP2_PAIRS)
     return [None, K.PACKED64_ROUTING,
-            K.RoutingLaunch(keys=K.KEYS_PACKED64),
-            K.RoutingLaunch(group_select=K.GROUP_ROUNDS),
-            K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY),
-            K.RoutingLaunch(weights_from=K.WEIGHTS_LOAD_EACH),
-            K.RoutingLaunch(compact=K.COMPACT_GATHER),
             K.RoutingLaunch(compact=K.COMPACT_RELOAD),
-            K.RoutingLaunch(compact=K.COMPACT_RELOAD, weights_from=K.WEIGHTS_CARRY),
-            K.RoutingLaunch(num_warps=2),
-            K.RoutingLaunch(rows_per_program=2),
-            K.RoutingLaunch(rows_per_program=4)]
+            K.RoutingLaunch(reciprocal=K.RECIP_FMA),
+            K.RoutingLaunch(keys=K.KEYS_QUEUES),
+            K.RoutingLaunch(group_top2=K.TOP2_PAIRS),
+            K.RoutingLaunch(reciprocal=K.RECIP_FMA, keys=K.KEYS_QUEUES),
+            K.RoutingLaunch(**fast),
+            K.RoutingLaunch(**fast, compact=K.COMPACT_RELOAD),
+            K.RoutingLaunch(**fast, weights_from=K.WEIGHTS_LOAD_EACH),
+            K.RoutingLaunch(**fast, group_select=K.GROUP_ROUNDS),
+            K.RoutingLaunch(**fast, rows_per_program=2)]
+
+
+def _routing_floors(logits: torch.Tensor, tokens: int) -> dict:
+    """The launch-floor rows of the routing case at ``tokens`` (see ROUTING_TOKENS)."""
+    from bench import floor
+    floors = {}
+    if tokens in ROUTING_EMPTY_FLOOR_TOKENS:
+        floors["floor: empty kernel (1 program, 1 warp, 1 store)"] = floor.empty_launch(
+            logits.device)
+    if tokens in ROUTING_ROW_FLOOR_TOKENS:
+        floors[f"floor: load a row, store 8 ids ({tokens} programs of 1 warp)"] = (
+            lambda: (floor.row_ids(logits, 8),))
+    return floors
 
 
 def _routing_cases(device) -> list[Case]:
@@ -200,14 +222,15 @@ def _routing_cases(device) -> list[Case]:
             lambda args=args, kwargs=kwargs: R.route_topk(*args, **kwargs), routing_variants(),
             kernel="routing", graph=True, checked=1,
             others={"flashinfer": lambda args=args, kwargs=kwargs: route_topk(
-                *args, **kwargs, backend="flashinfer")}))
+                *args, **kwargs, backend="flashinfer"), **_routing_floors(logits, tokens)}))
     softmax = torch.randn(8192, 128, generator=generator).to(device)
     cases.append(Case(
         "softmax_topk T=8192 E=128 k=4",
         _with_launch(lambda **kw: K.route_topk(softmax, 4, "softmax_topk", **kw)),
         lambda: R.route_topk(softmax, 4, "softmax_topk"),
         [None, K.RoutingLaunch(keys=K.KEYS_PACKED64),
-         K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY)]
+         K.RoutingLaunch(weights_from=K.WEIGHTS_CARRY), K.RoutingLaunch(keys=K.KEYS_QUEUES),
+         K.RoutingLaunch(keys=K.KEYS_QUEUES, rows_per_program=4)]
         + _grid(K.RoutingLaunch, rows_per_program=[1, 2, 4], num_warps=[1, 2]),
         kernel="routing", graph=True, checked=1))
     return cases
@@ -361,7 +384,7 @@ def main(argv=None) -> None:
     best = {}
     for row in rows:
         if (row["ok"] and row.get("time_us") and row["variant"] != "flashinfer"
-                and not row["variant"].startswith("traffic floor")):
+                and not row["variant"].startswith(("traffic floor", "floor:"))):
             if row["case"] not in best or row["time_us"] < best[row["case"]]["time_us"]:
                 best[row["case"]] = row
     print("\nbest per case:")

@@ -11,7 +11,7 @@ integer order is the float order, with -0.0 made +0.0 (the two zeros tie, as the
 torch) and every NaN mapped to ``NAN_KEY``, below the key of -inf; ``NONE_KEY``, lower still,
 marks padding, dropped groups and experts already chosen. Equal keys go to the smaller id.
 
-Selection is k rounds of argmax, in one of two forms (``RoutingLaunch.keys``):
+Selection is k rounds of argmax, in one of three forms (``RoutingLaunch.keys``):
 
 - ``KEYS_SPLIT32``: per round, the int32 max of the keys, then the int32 min of the ids whose key
   is that max; the chosen expert's key becomes ``NONE_KEY``. A row sits in one warp, and Triton
@@ -20,13 +20,26 @@ Selection is k rounds of argmax, in one of two forms (``RoutingLaunch.keys``):
 - ``KEYS_PACKED64``: per round, one max over int64 keys ``key << 32 | (ID_LIMIT - id)`` (ties
   to the smaller id inside the one reduction), reduced across lanes by five levels of two 32-bit
   shuffles each.
+- ``KEYS_QUEUES``: the ``KEYS_SPLIT32`` reductions over one key per lane. Each lane first sorts
+  the values it holds, in queues of 4 (one 16-byte vector of fp32 logits, half of one of bf16:
+  ``_lane_queues`` views the tile as [B, 32] tensors without moving data), by a 5-comparator
+  network in the selection order; a round then reduces the lanes' heads (the better of its
+  queues' heads: one compare), and the lane whose head was chosen pops it (its queue moves up
+  by one select per value). A round's own work is a few instructions instead of a pass over
+  every value a lane holds (8 compares and selects twice, and a max tree, for DeepSeek-V3),
+  for a sort done once (off the chain of the group scores, which it runs beside). For one-warp
+  programs whose tile is a multiple of 128 columns (2 x 16 bytes per lane ... 512), else the
+  ``KEYS_SPLIT32`` rounds.
 
 Worked example, scores [1.0, 3.0, 3.0]: round 1 takes the max key k(3.0), held by ids 1 and 2,
 and the smaller id, 1; round 2 finds k(3.0) again, now only at id 2.
 
 DeepSeek-V3 first scores each group: the sum of its two best biased scores in the selection
 order (the best, plus the best again if it occurs twice, else the best key below it), found on
-the int32 keys and added in fp32. It keeps ``TOPK_GROUPS`` groups, either by rounds of argmax
+the int32 keys and added in fp32, either by a max and then a count of its copies and a max
+below it (``TOP2_COUNT``: two passes of reductions) or by one reduction of (largest, second
+largest) pairs, which merges two pairs by three min/max (``TOP2_PAIRS``;
+``RoutingLaunch.group_top2``). It keeps ``TOPK_GROUPS`` groups, either by rounds of argmax
 over the group keys or by counting, for each group, the groups ranked above it (a
 ``[GROUPS_PAD, GROUPS_PAD]`` compare: no dependent rounds; ``RoutingLaunch.group_select``). It
 then either sets the keys of the dropped groups to ``NONE_KEY`` (``COMPACT_NONE``) or builds a
@@ -42,6 +55,15 @@ int32 max, of a bit-exact int32 image of each value, which no later round waits 
 (``WEIGHTS_LOAD_EACH``). The last two form the weights slot by slot on [B] values and store
 each slot as it is known. A NaN weight is stored as the one bit pattern ``NAN_WEIGHT_BITS`` of
 ``kernels.spec.routing``.
+
+The sigmoid's IEEE division (``RoutingLaunch.reciprocal``): ptxas expands div.rn into a fast
+path (MUFU.RCP, one Newton step, a correction of the quotient), a range check and a branch
+around a slow path, so a thread's divisions run one after the other (8 per thread for
+DeepSeek-V3's 256 sigmoids). ``RECIP_FMA`` writes the same fast path out without the branch,
+for all of a thread's values at once, and redoes them by div.rn only where one of a thread's
+denominators exceeds ``FAST_RECIPROCAL_LIMIT`` (a logit below about -86.6: 1 / d near or
+below the smallest normal float, where MUFU.RCP flushes to zero): one rarely taken branch per
+thread instead of one per value, and the same bits as div.rn for every value.
 """
 
 from __future__ import annotations
@@ -66,6 +88,10 @@ NONE_KEY = tl.constexpr(-(2**31))       # padding, dropped, already chosen: belo
 NAN_KEY = tl.constexpr(-(2**31) + 1)    # a NaN score: below -inf, above NONE_KEY
 NO_ID = tl.constexpr(2**31 - 1)         # above every id: what the min over ids ignores
 NAN_WEIGHT = tl.constexpr(NAN_WEIGHT_BITS)
+# 2**125: up to it MUFU.RCP's approximation of 1 / d (within 1 ulp) and the corrections of the
+# division's fast path stay normal; above it (1 / d near or below the smallest normal, or
+# d = +inf) only div.rn itself gives the IEEE result.
+FAST_RECIPROCAL_LIMIT = tl.constexpr(2.0**125)
 
 # 512: every row is held in registers as keys plus fp32 scores; with the launch rule below a
 # warp then holds one row of 16 keys per thread. Larger E needs a chunked selection.
@@ -79,11 +105,20 @@ COMPACT_RELOAD = 2   # re-read the kept groups' logits (cached) and rebuild thei
 # The argmax rounds (the ``KEYS`` constexpr); see the module docstring.
 KEYS_PACKED64 = 0
 KEYS_SPLIT32 = 1
+KEYS_QUEUES = 2
 
 # Where the weights' values come from (the ``WEIGHTS_FROM`` constexpr); see the module docstring.
 WEIGHTS_RELOAD = 0
 WEIGHTS_CARRY = 1
 WEIGHTS_LOAD_EACH = 2
+
+# How the sigmoid's IEEE division is done on a GPU (the ``RECIPROCAL`` constexpr).
+RECIP_DIV_RN = 0     # div.rn: a check and a branch per value
+RECIP_FMA = 1        # its fast path written out, branch-free; div.rn only for subnormal 1/d
+
+# How DeepSeek-V3 finds each group's two best keys (the ``GROUP_TOP2`` constexpr).
+TOP2_COUNT = 0       # the max; then the copies of it and the max below it (two reductions)
+TOP2_PAIRS = 1       # one reduction of (largest, second largest) pairs
 
 # How DeepSeek-V3 keeps its groups (the ``GROUP_SELECT`` constexpr).
 GROUP_ROUNDS = 0     # topk_groups rounds of argmax over the group keys
@@ -107,12 +142,19 @@ class RoutingLaunch:
     compact: how DeepSeek-V3 narrows the selection to the kept groups (``COMPACT_*``).
     keys: the form of the argmax rounds (``KEYS_SPLIT32``: two int32 warp reductions a round,
         each one instruction on sm_80+; ``KEYS_PACKED64``: one int64 reduction of 5 shuffle
-        levels a round).
+        levels a round; ``KEYS_QUEUES``: the two int32 reductions over each lane's head of
+        its sorted queues, where the launch has one warp and a tile of 128, 256 or 512
+        columns of 32 lanes x whole 16-byte vectors, else ``KEYS_SPLIT32``).
     group_select: how DeepSeek-V3 keeps its groups (``GROUP_COUNT``: ranks by one compare of
         all group pairs; ``GROUP_ROUNDS``: topk_groups dependent rounds).
     weights_from: where the weights' values come from (``WEIGHTS_RELOAD``: one [B, k] load
         after the rounds; ``WEIGHTS_CARRY``: one more int32 warp reduction a round, which no
         round waits for; ``WEIGHTS_LOAD_EACH``: one load a round, issued as the round ends).
+    reciprocal: the sigmoid's IEEE division on a GPU (``RECIP_DIV_RN``: div.rn, a branch per
+        value; ``RECIP_FMA``: its fast path written out, div.rn only where a thread's
+        denominators reach ``FAST_RECIPROCAL_LIMIT``; the same bits either way).
+    group_top2: how DeepSeek-V3 finds each group's two best keys (``TOP2_COUNT``: a max, then
+        the copies of it and the max below it; ``TOP2_PAIRS``: one reduction of pairs).
     """
 
     num_warps: int = 1
@@ -123,6 +165,8 @@ class RoutingLaunch:
     keys: int = KEYS_SPLIT32
     group_select: int = GROUP_COUNT
     weights_from: int = WEIGHTS_RELOAD
+    reciprocal: int = RECIP_DIV_RN
+    group_top2: int = TOP2_COUNT
 
 
 DEFAULT_ROUTING = RoutingLaunch()
@@ -163,12 +207,113 @@ def _exp(x, PRECISE_MATH: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid(x, PRECISE_MATH: tl.constexpr):
+def _rcp_approx(d):
+    """MUFU.RCP: the hardware's approximate reciprocal (subnormal results flushed to 0)."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _div_rn_if_large1(d, q):
+    """The reciprocal ``q`` of ``d``, redone by div.rn if ``d`` exceeds
+    ``FAST_RECIPROCAL_LIMIT`` (a rarely taken branch)."""
+    if d > FAST_RECIPROCAL_LIMIT:
+        q = tl.math.div_rn(1.0, d)
+    return q
+
+
+@triton.jit
+def _div_rn_if_large4(d0, d1, d2, d3, q0, q1, q2, q3):
+    """:func:`_div_rn_if_large1` for four of a thread's values: one branch for all four."""
+    if tl.maximum(tl.maximum(d0, d1), tl.maximum(d2, d3)) > FAST_RECIPROCAL_LIMIT:
+        q0 = tl.math.div_rn(1.0, d0)
+        q1 = tl.math.div_rn(1.0, d1)
+        q2 = tl.math.div_rn(1.0, d2)
+        q3 = tl.math.div_rn(1.0, d3)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _div_rn_if_large8(d0, d1, d2, d3, d4, d5, d6, d7, q0, q1, q2, q3, q4, q5, q6, q7):
+    """:func:`_div_rn_if_large4` for eight values."""
+    if tl.maximum(tl.maximum(tl.maximum(d0, d1), tl.maximum(d2, d3)),
+                  tl.maximum(tl.maximum(d4, d5), tl.maximum(d6, d7))) > FAST_RECIPROCAL_LIMIT:
+        q0 = tl.math.div_rn(1.0, d0)
+        q1 = tl.math.div_rn(1.0, d1)
+        q2 = tl.math.div_rn(1.0, d2)
+        q3 = tl.math.div_rn(1.0, d3)
+        q4 = tl.math.div_rn(1.0, d4)
+        q5 = tl.math.div_rn(1.0, d5)
+        q6 = tl.math.div_rn(1.0, d6)
+        q7 = tl.math.div_rn(1.0, d7)
+    return q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
+def _reciprocal(d, RECIPROCAL: tl.constexpr, PACK: tl.constexpr):
+    """1 / d rounded to nearest (div.rn's result bits) for d >= 1 or NaN, the denominator of the
+    sigmoid. ``RECIP_DIV_RN``: div.rn itself, whose fast path ptxas follows by a check and a
+    branch per value, so that a thread's values are divided one after the other.
+    ``RECIP_FMA``: the same fast path written out (MUFU.RCP, one Newton step, then the
+    quotient's correction: the instructions, and so the bits, of div.rn wherever its range
+    check passes), for all of a thread's values without a branch, and div.rn itself where a
+    ``d`` exceeds ``FAST_RECIPROCAL_LIMIT`` (``_div_rn_if_large*``). ``PACK``: a thread's
+    values per such check (8, 4 or 1: ``_values_per_check``; 0: none, the caller checks)."""
+    if RECIPROCAL == 1:  # RECIP_FMA
+        y = _rcp_approx(d)
+        y = tl.fma(y, tl.fma(-d, y, 1.0), y)
+        q = tl.fma(y, tl.fma(-d, y, 1.0), y)
+        if PACK == 8:
+            q = tl.map_elementwise(_div_rn_if_large8, d, q, pack=8)[0]
+        elif PACK == 4:
+            q = tl.map_elementwise(_div_rn_if_large4, d, q, pack=4)[0]
+        elif PACK == 1:
+            q = tl.map_elementwise(_div_rn_if_large1, d, q)
+        return q
+    else:
+        return tl.math.div_rn(tl.zeros_like(d) + 1.0, d)
+
+
+@triton.jit
+def _sigmoid(x, PRECISE_MATH: tl.constexpr, RECIPROCAL: tl.constexpr = 0,
+             PACK: tl.constexpr = 1):
     # 1 / (1 + exp(-x)) with an IEEE division (Triton's "/" is approximate for fp32), the
     # formula of the oracle's _sigmoid. (libdevice.rcp_rn(d) gives the same fp32 and was timed
     # no faster on an H200.)
     denominator = 1.0 + _exp(-x, PRECISE_MATH)
-    return tl.math.div_rn(tl.zeros_like(denominator) + 1.0, denominator)
+    if PRECISE_MATH:
+        return _reciprocal(denominator, RECIPROCAL, PACK)
+    else:  # the interpreter: numpy's IEEE division
+        return tl.math.div_rn(tl.zeros_like(denominator) + 1.0, denominator)
+
+
+@triton.jit
+def _sigmoid_values(x, PRECISE_MATH: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """:func:`_sigmoid` of each tensor of the tuple ``x``; ``RECIP_FMA`` checks eight of them
+    for a subnormal reciprocal by one branch (the tensors are [B], one value per thread)."""
+    if PRECISE_MATH and RECIPROCAL == 1:  # RECIP_FMA
+        ones = tl.full(x[0].shape, 1.0, tl.float32)
+        d = ()
+        for j in tl.static_range(len(x)):
+            d = d + (1.0 + _exp(-x[j], PRECISE_MATH),)
+        for _ in tl.static_range((8 - len(x) % 8) % 8):
+            d = d + (ones,)
+        q = ()
+        for j in tl.static_range(len(d)):
+            q = q + (_reciprocal(d[j], RECIPROCAL, 0),)
+        result = ()
+        for c in tl.static_range(len(d) // 8):
+            result = result + tl.map_elementwise(
+                _div_rn_if_large8, d[8 * c], d[8 * c + 1], d[8 * c + 2], d[8 * c + 3],
+                d[8 * c + 4], d[8 * c + 5], d[8 * c + 6], d[8 * c + 7], q[8 * c], q[8 * c + 1],
+                q[8 * c + 2], q[8 * c + 3], q[8 * c + 4], q[8 * c + 5], q[8 * c + 6],
+                q[8 * c + 7])
+        return result[:len(x)]
+    else:
+        result = ()
+        for j in tl.static_range(len(x)):
+            result = result + (_sigmoid(x[j], PRECISE_MATH, RECIPROCAL),)
+        return result
 
 
 @triton.jit
@@ -216,10 +361,115 @@ def _take_best(keys, ids):
 
 
 @triton.jit
+def _top2(first_a, second_a, first_b, second_b):
+    """The two largest of the multiset union of two (largest, second largest) pairs."""
+    return (tl.maximum(first_a, first_b),
+            tl.maximum(tl.minimum(first_a, first_b), tl.maximum(second_a, second_b)))
+
+
+@triton.jit
 def _pack(keys, ids):
     """int64 keys whose signed order is (key, then smaller id): see the module docstring."""
     # Tensor first: ``constexpr - tensor`` fails in the interpreter.
     return (keys.to(tl.int64) << 32) | (-ids + ID_LIMIT).to(tl.int64)
+
+
+@triton.jit
+def _lane_queues(x, BLOCK_TOKENS: tl.constexpr, COLUMNS: tl.constexpr, VECTOR: tl.constexpr):
+    """The tile ``x`` [B, C] of a one-warp program as what each lane holds: a tuple of C // 32
+    tensors [B, 32], element [b, l] of tensor ``q * 4 + j`` being value j of lane l's queue q,
+    column ``(q // (V // 4)) * 32 * V + l * V + (q % (V // 4)) * 4 + j`` (V = ``VECTOR``, the
+    contiguous columns per thread of the tile's layout: these reshapes, the permutes and the
+    splits move no data)."""
+    PER_LANE: tl.constexpr = COLUMNS // 32
+    y = tl.reshape(x, [BLOCK_TOKENS, COLUMNS // (32 * VECTOR), 32, VECTOR])
+    y = tl.permute(y, (0, 2, 1, 3))
+    # One axis of 2 per bit of the index q * 4 + j, the highest bit last: splitting it first
+    # leaves the tensors in index order.
+    if PER_LANE == 4:
+        y = tl.permute(tl.reshape(y, [BLOCK_TOKENS, 32, 2, 2]), (0, 1, 3, 2))
+    elif PER_LANE == 8:
+        y = tl.permute(tl.reshape(y, [BLOCK_TOKENS, 32, 2, 2, 2]), (0, 1, 4, 3, 2))
+    else:
+        tl.static_assert(PER_LANE == 16, "a lane holds 4, 8 or 16 columns")
+        y = tl.permute(tl.reshape(y, [BLOCK_TOKENS, 32, 2, 2, 2, 2]), (0, 1, 5, 4, 3, 2))
+    parts = (y,)
+    LEVELS: tl.constexpr = 2 if PER_LANE == 4 else 3 if PER_LANE == 8 else 4
+    for _ in tl.static_range(LEVELS):
+        halves = ()
+        for p in tl.static_range(len(parts)):
+            low, high = tl.split(parts[p])
+            halves = halves + (low, high)
+        parts = halves
+    return parts
+
+
+@triton.jit
+def _before(key_a, id_a, key_b, id_b):
+    """a precedes b in the selection order (larger key, then smaller id)."""
+    return (key_a > key_b) | ((key_a == key_b) & (id_a < id_b))
+
+
+@triton.jit
+def _sort_queues(keys, ids, ORDERED: tl.constexpr):
+    """Each queue of 4 (``_lane_queues``' tuples) sorted into the selection order, by the
+    network (0, 1) (2, 3), (0, 2) (1, 3), (1, 2). ``ORDERED``: the ids of a queue increase
+    along it, so that the first level compares keys only."""
+    sorted_keys = ()
+    sorted_ids = ()
+    for q in tl.static_range(len(keys) // 4):
+        k0, k1, k2, k3 = keys[4 * q], keys[4 * q + 1], keys[4 * q + 2], keys[4 * q + 3]
+        i0, i1, i2, i3 = ids[4 * q], ids[4 * q + 1], ids[4 * q + 2], ids[4 * q + 3]
+        if ORDERED:
+            swap01 = k1 > k0
+            swap23 = k3 > k2
+        else:
+            swap01 = _before(k1, i1, k0, i0)
+            swap23 = _before(k3, i3, k2, i2)
+        k0, k1 = tl.where(swap01, k1, k0), tl.where(swap01, k0, k1)
+        i0, i1 = tl.where(swap01, i1, i0), tl.where(swap01, i0, i1)
+        k2, k3 = tl.where(swap23, k3, k2), tl.where(swap23, k2, k3)
+        i2, i3 = tl.where(swap23, i3, i2), tl.where(swap23, i2, i3)
+        swap02 = _before(k2, i2, k0, i0)
+        swap13 = _before(k3, i3, k1, i1)
+        k0, k2 = tl.where(swap02, k2, k0), tl.where(swap02, k0, k2)
+        i0, i2 = tl.where(swap02, i2, i0), tl.where(swap02, i0, i2)
+        k1, k3 = tl.where(swap13, k3, k1), tl.where(swap13, k1, k3)
+        i1, i3 = tl.where(swap13, i3, i1), tl.where(swap13, i1, i3)
+        swap12 = _before(k2, i2, k1, i1)
+        k1, k2 = tl.where(swap12, k2, k1), tl.where(swap12, k1, k2)
+        i1, i2 = tl.where(swap12, i2, i1), tl.where(swap12, i1, i2)
+        sorted_keys = sorted_keys + (k0, k1, k2, k3)
+        sorted_ids = sorted_ids + (i0, i1, i2, i3)
+    return sorted_keys, sorted_ids
+
+
+@triton.jit
+def _queues_take_best(keys, ids, ORDERED: tl.constexpr):
+    """One round of argmax over sorted queues: the chosen id [B] (as ``_take_best``) from the
+    queues' heads only, and the queues with the chosen head popped (the values behind it move
+    up; ``NONE_KEY`` enters at the back). ``ORDERED``: a lane's queues hold increasing ids, so
+    that equal heads go to the earlier queue without comparing ids."""
+    head_key = keys[0]
+    head_id = ids[0]
+    for q in tl.static_range(1, len(keys) // 4):
+        if ORDERED:
+            better = keys[4 * q] > head_key
+        else:
+            better = _before(keys[4 * q], ids[4 * q], head_key, head_id)
+        head_key = tl.where(better, keys[4 * q], head_key)
+        head_id = tl.where(better, ids[4 * q], head_id)
+    chosen, _ = _take_best(head_key, head_id)
+    popped_keys = ()
+    popped_ids = ()
+    for q in tl.static_range(len(keys) // 4):
+        pop = ids[4 * q] == chosen[:, None]
+        for p in tl.static_range(3):
+            popped_keys = popped_keys + (tl.where(pop, keys[4 * q + p + 1], keys[4 * q + p]),)
+            popped_ids = popped_ids + (tl.where(pop, ids[4 * q + p + 1], ids[4 * q + p]),)
+        popped_keys = popped_keys + (tl.where(pop, NONE_KEY, keys[4 * q + 3]),)
+        popped_ids = popped_ids + (ids[4 * q + 3],)
+    return chosen, popped_keys, popped_ids
 
 
 @triton.jit
@@ -232,6 +482,8 @@ def _route_topk_kernel(
     KEEP_PAD: tl.constexpr, COMPACT: tl.constexpr, KEYS: tl.constexpr,
     GROUP_SELECT: tl.constexpr, WEIGHTS_FROM: tl.constexpr,
     SELECT_BIASED_SIGMOID: tl.constexpr, WEIGHTS: tl.constexpr, PRECISE_MATH: tl.constexpr,
+    RECIPROCAL: tl.constexpr, SIGMOID_PACK: tl.constexpr, COMPACT_PACK: tl.constexpr,
+    VECTOR: tl.constexpr, GROUP_TOP2: tl.constexpr,
 ):
     KEY64_NONE: tl.constexpr = -(2**63)  # below every packed key
 
@@ -255,7 +507,11 @@ def _route_topk_kernel(
     # value: what the weights are made of (DeepSeek-V3: the unbiased sigmoid; else the logit)
     if SELECT_BIASED_SIGMOID:
         bias = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0)
-        value = _sigmoid(x, PRECISE_MATH)
+        logit = x
+        if RECIPROCAL == 1 and (NUM_GROUPS < GROUPS_PAD or EXPERTS_PER_GROUP < GROUP_PAD):
+            # padding: 0, not -inf (an infinite denominator would take the div.rn branch)
+            logit = tl.where(expert_ok[None, :], x, 0.0)
+        value = _sigmoid(logit, PRECISE_MATH, RECIPROCAL, SIGMOID_PACK)
         score = value + bias[None, :]
     else:
         value = x
@@ -269,11 +525,15 @@ def _route_topk_kernel(
         # Group score = the sum of the group's two best biased scores; the second best is the
         # best again when it occurs twice (one copy is removed, as the oracle's sort does).
         keys3 = tl.reshape(keys, [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
-        first = tl.max(keys3, axis=2)                                            # [B, G]
-        is_first = keys3 == first[:, :, None]
-        copies = tl.sum(is_first.to(tl.int32), axis=2)
-        below = tl.max(tl.where(is_first, NONE_KEY, keys3), axis=2)
-        second = tl.where(copies >= 2, first, below)
+        if GROUP_TOP2 == 1:  # TOP2_PAIRS
+            first, second = tl.reduce((keys3, tl.full(keys3.shape, NONE_KEY, tl.int32)), 2,
+                                      _top2)                                     # [B, G]
+        else:  # TOP2_COUNT
+            first = tl.max(keys3, axis=2)                                        # [B, G]
+            is_first = keys3 == first[:, :, None]
+            copies = tl.sum(is_first.to(tl.int32), axis=2)
+            below = tl.max(tl.where(is_first, NONE_KEY, keys3), axis=2)
+            second = tl.where(copies >= 2, first, below)
         groups = tl.arange(0, GROUPS_PAD)[None, :]                               # [1, G]
         group_keys = tl.where(groups < NUM_GROUPS,
                               _ordered(_key_value(first) + _key_value(second)), NONE_KEY)
@@ -287,7 +547,7 @@ def _route_topk_kernel(
             group_rank = tl.sum(above.to(tl.int32), axis=2)                      # [B, G]
         else:  # GROUP_ROUNDS
             group_rank = tl.full([BLOCK_TOKENS, GROUPS_PAD], GROUPS_PAD, tl.int32)
-            if KEYS == 1:  # KEYS_SPLIT32
+            if KEYS != 0:  # KEYS_SPLIT32, KEYS_QUEUES
                 for r in tl.static_range(TOPK_GROUPS):
                     _, taken = _take_best(group_keys, groups)
                     group_rank = tl.where(taken, r, group_rank)
@@ -302,8 +562,9 @@ def _route_topk_kernel(
         if COMPACT == 0:  # COMPACT_NONE
             kept = group_rank < TOPK_GROUPS
             kept3 = tl.broadcast_to(kept[:, :, None], [BLOCK_TOKENS, GROUPS_PAD, GROUP_PAD])
-            keys = tl.where(tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD]), keys,
-                            NONE_KEY)
+            kept_columns = tl.reshape(kept3, [BLOCK_TOKENS, GROUPS_PAD * GROUP_PAD])
+            unmasked_keys = keys
+            keys = tl.where(kept_columns, keys, NONE_KEY)
         else:
             # Column s * GROUP_PAD + j of the compact tile is slot j of the s-th kept group.
             compact_columns = tl.arange(0, KEEP_PAD * GROUP_PAD)
@@ -326,7 +587,7 @@ def _route_topk_kernel(
                 x2 = tl.load(row_base[:, None] + ids_of * stride_expert, mask=compact_ok,
                              other=float("-inf")).to(tl.float32)
                 bias2 = tl.load(bias_ptr + ids_of, mask=compact_ok, other=0.0)
-                value2 = _sigmoid(x2, PRECISE_MATH)
+                value2 = _sigmoid(x2, PRECISE_MATH, RECIPROCAL, COMPACT_PACK)
                 keys = tl.where(compact_ok, _ordered(value2 + bias2), NONE_KEY)
                 if WEIGHTS_FROM == 1:
                     values = tl.where(compact_ok, _bits_key(value2), NONE_KEY)
@@ -339,10 +600,40 @@ def _route_topk_kernel(
     chosen_values = ()     # WEIGHTS_FROM != 0: per slot, the chosen experts' values [B]
     if KEYS == 0:  # KEYS_PACKED64
         packed = _pack(keys, ids_of)
+    if KEYS == 2:  # KEYS_QUEUES
+        SCAN_COLUMNS: tl.constexpr = keys.shape[1]
+        # A queue lies inside one group where groups are padded to a multiple of 4 columns:
+        # it is then sorted before the groups are kept (off their chain of reductions) and
+        # only its head is masked once its group is dropped (what lies behind a masked head
+        # is never reached). Otherwise the queues are built from the masked keys.
+        HEAD_MASK: tl.constexpr = (TOPK_GROUPS < NUM_GROUPS) and (COMPACT == 0) and (
+            GROUP_PAD % 4 == 0)
+        # The ids of a lane's queues increase along them, and from one queue to the next
+        # (the compact tile holds its groups in rank order: only the former).
+        ALONG: tl.constexpr = (TOPK_GROUPS == NUM_GROUPS) or (GROUP_PAD % 4 == 0)
+        ACROSS: tl.constexpr = (TOPK_GROUPS == NUM_GROUPS) or (COMPACT == 0)
+        all_ids = tl.broadcast_to(ids_of, [BLOCK_TOKENS, SCAN_COLUMNS])
+        queue_ids = _lane_queues(all_ids, BLOCK_TOKENS, SCAN_COLUMNS, VECTOR)
+        if HEAD_MASK:
+            queue_keys = _lane_queues(unmasked_keys, BLOCK_TOKENS, SCAN_COLUMNS, VECTOR)
+        else:
+            queue_keys = _lane_queues(keys, BLOCK_TOKENS, SCAN_COLUMNS, VECTOR)
+        queue_keys, queue_ids = _sort_queues(queue_keys, queue_ids, ALONG)
+        if HEAD_MASK:
+            queue_kept = _lane_queues(kept_columns, BLOCK_TOKENS, SCAN_COLUMNS, VECTOR)
+            masked = ()
+            for q in tl.static_range(SCAN_COLUMNS // 128):
+                masked = masked + (tl.where(queue_kept[4 * q], queue_keys[4 * q], NONE_KEY),
+                                   queue_keys[4 * q + 1], queue_keys[4 * q + 2],
+                                   queue_keys[4 * q + 3])
+            queue_keys = masked
     for j in tl.static_range(TOP_K):
         if KEYS == 1:  # KEYS_SPLIT32
             chosen, taken = _take_best(keys, ids_of)
             keys = tl.where(taken, NONE_KEY, keys)
+        elif KEYS == 2:  # KEYS_QUEUES
+            chosen, queue_keys, queue_ids = _queues_take_best(queue_keys, queue_ids, ACROSS)
+            taken = ids_of == chosen[:, None]
         else:
             best = tl.max(packed, axis=1)                                        # [B]
             # Packed keys are unique per row in their low word (ID_LIMIT - id; KEY64_NONE's is
@@ -374,9 +665,9 @@ def _route_topk_kernel(
             numerator = tl.where(slot_ok, _exp(chosen_x - row_max[:, None], PRECISE_MATH), 0.0)
             weights = numerator / tl.sum(numerator, axis=1)[:, None]
         elif WEIGHTS == 2:  # SIGMOID
-            weights = _sigmoid(chosen_x, PRECISE_MATH)
+            weights = _sigmoid(chosen_x, PRECISE_MATH, RECIPROCAL)
         else:  # SIGMOID_RENORM
-            numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH), 0.0)
+            numerator = tl.where(slot_ok, _sigmoid(chosen_x, PRECISE_MATH, RECIPROCAL), 0.0)
             weights = numerator / tl.sum(numerator, axis=1)[:, None]
         if WEIGHTS == 4:
             weights = tl.where(_has_nan(x)[:, None], float("nan"), weights)
@@ -401,12 +692,12 @@ def _route_topk_kernel(
                 numerators = numerators + (_exp(chosen_values[j] - row_max, PRECISE_MATH),)
                 total += numerators[j]
         else:  # SIGMOID, SIGMOID_RENORM
+            if SELECT_BIASED_SIGMOID and WEIGHTS_FROM == 1:  # carried: the sigmoid
+                numerators = chosen_values
+            else:
+                numerators = _sigmoid_values(chosen_values, PRECISE_MATH, RECIPROCAL)
             total = tl.zeros_like(chosen_values[0])
             for j in tl.static_range(TOP_K):
-                if SELECT_BIASED_SIGMOID and WEIGHTS_FROM == 1:  # carried: the sigmoid
-                    numerators = numerators + (chosen_values[j],)
-                else:
-                    numerators = numerators + (_sigmoid(chosen_values[j], PRECISE_MATH),)
                 total += numerators[j]
         row_nan = _has_nan(x) if WEIGHTS == 4 else None
         for j in tl.static_range(TOP_K):
@@ -436,6 +727,13 @@ def tokens_per_program(num_tokens: int, row_elements: int, launch: RoutingLaunch
     return rows
 
 
+def _values_per_check(tile_elements: int, num_warps: int) -> int:
+    """``RECIP_FMA``'s values per subnormal check: 8 or 4 where each thread of the program holds
+    that many of its [B, C] tile (powers of two, spread evenly), else 1."""
+    per_thread = tile_elements // (32 * num_warps)
+    return 8 if per_thread >= 8 else 4 if per_thread >= 4 else 1
+
+
 def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int,
             topk_groups: int, routed_scaling: float, launch: RoutingLaunch, traced: bool):
     """Allocate the outputs and launch the kernel on checked arguments (``num_groups`` and
@@ -457,8 +755,18 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     experts_per_group = num_experts // groups
     groups_pad = triton.next_power_of_2(groups)
     group_pad = triton.next_power_of_2(experts_per_group)
-    block_tokens = tokens_per_program(num_tokens, groups_pad * group_pad, launch)
-    grid = (-(-num_tokens // block_tokens),)
+    rows_per_program = tokens_per_program(num_tokens, groups_pad * group_pad, launch)
+    grid = (-(-num_tokens // rows_per_program),)
+    keep_pad = triton.next_power_of_2(topk_groups) if grouped else 1
+    compact = launch.compact if grouped else COMPACT_NONE
+    # KEYS_QUEUES: one warp whose lanes each hold whole queues of 4 (16-byte vectors of the
+    # logits' dtype); other launches take the KEYS_SPLIT32 rounds.
+    vector = 16 // logits.element_size()
+    scan_columns = (keep_pad if compact != COMPACT_NONE else groups_pad) * group_pad
+    keys = launch.keys
+    if keys == KEYS_QUEUES and (launch.num_warps != 1 or scan_columns % (32 * vector)
+                                or scan_columns > 512):
+        keys = KEYS_SPLIT32
     kernel = wrap_triton(_route_topk_kernel) if traced else _route_topk_kernel
     kernel[grid](
         logits, bias, ids, weights,
@@ -466,13 +774,17 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         EXPERTS_PER_GROUP=experts_per_group, NUM_GROUPS=groups,
         TOPK_GROUPS=topk_groups if grouped else 1,
         GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=block_tokens,
-        KEEP_PAD=triton.next_power_of_2(topk_groups) if grouped else 1,
-        COMPACT=launch.compact if grouped else COMPACT_NONE, KEYS=launch.keys,
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=rows_per_program,
+        KEEP_PAD=keep_pad,
+        COMPACT=compact, KEYS=keys,
         GROUP_SELECT=launch.group_select if grouped else GROUP_ROUNDS,
         WEIGHTS_FROM=launch.weights_from,
         SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
-        PRECISE_MATH=not interpreting(),
+        PRECISE_MATH=not interpreting(), RECIPROCAL=launch.reciprocal,
+        SIGMOID_PACK=_values_per_check(rows_per_program * groups_pad * group_pad,
+                                       launch.num_warps),
+        COMPACT_PACK=_values_per_check(rows_per_program * keep_pad * group_pad, launch.num_warps),
+        VECTOR=vector, GROUP_TOP2=launch.group_top2,
         num_warps=launch.num_warps,
     )
     return ids, weights
@@ -494,13 +806,15 @@ def _route_topk_face(traced: bool):
                       num_groups: int, topk_groups: int, routed_scaling: float, num_warps: int,
                       elements_per_program: int, target_programs: int,
                       rows_per_program: Optional[int], compact: int, keys: int,
-                      group_select: int, weights_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      group_select: int, weights_from: int, reciprocal: int,
+                      group_top2: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``moe_a2a::route_topk``: the routing arguments, then the fields of
         :class:`RoutingLaunch` -> (topk_ids [T, k] int32, topk_weights [T, k] fp32)."""
         num_groups, topk_groups = _check_route(logits, top_k, method, bias, num_groups,
                                                topk_groups, routed_scaling)
         launch = RoutingLaunch(num_warps, elements_per_program, target_programs,
-                               rows_per_program, compact, keys, group_select, weights_from)
+                               rows_per_program, compact, keys, group_select, weights_from,
+                               reciprocal, group_top2)
         return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
                        launch, traced)
     library.check_config_parameters(route_topk_op, RoutingLaunch)

@@ -98,6 +98,8 @@ def launch_everything() -> None:
             Q.dequantize_nvfp4(packed, scales, gs, layout="swizzled_128x4", dtype=dtype,
                                launch=block)
     floor.nvfp4_traffic(torch.empty(256, 7168, dtype=torch.bfloat16))  # (its ASM=False form)
+    floor.empty_launch(torch.device("cpu"))()
+    floor.row_ids(torch.zeros(16, 256), 8)
     for layout in SCALE_LAYOUTS[1:]:
         swizzled = Q.swizzle_scales(torch.zeros(300, 448, dtype=torch.uint8), layout)
         Q.unswizzle_scales(swizzled, layout, 300, 448)
@@ -107,18 +109,40 @@ def launch_everything() -> None:
                                                           BLOCK=timing.PEER_STORE_BLOCK)
 
     logits = torch.zeros(64, 256)
-    # the default and each other value of every routing launch field
+    # the default and each other value of every routing launch field; the sorted-queue rounds
+    # and the branch-free sigmoid division with every compact form and weight source, with
+    # 2 rows per program, with 16 values per lane (E=384) and with bf16 logits (8 per vector)
+    fast = dict(keys=routing.KEYS_QUEUES, reciprocal=routing.RECIP_FMA,
+                group_top2=routing.TOP2_PAIRS)
     for launch in (routing.RoutingLaunch(), routing.PACKED64_ROUTING,
                    routing.RoutingLaunch(compact=routing.COMPACT_GATHER,
                                          weights_from=routing.WEIGHTS_CARRY),
                    routing.RoutingLaunch(compact=routing.COMPACT_RELOAD,
                                          weights_from=routing.WEIGHTS_LOAD_EACH),
-                   routing.RoutingLaunch(num_warps=2, rows_per_program=2)):
+                   routing.RoutingLaunch(num_warps=2, rows_per_program=2),
+                   routing.RoutingLaunch(**fast),
+                   routing.RoutingLaunch(**fast, compact=routing.COMPACT_GATHER,
+                                         weights_from=routing.WEIGHTS_CARRY),
+                   routing.RoutingLaunch(**fast, compact=routing.COMPACT_RELOAD,
+                                         weights_from=routing.WEIGHTS_LOAD_EACH),
+                   routing.RoutingLaunch(**fast, rows_per_program=2,
+                                         group_select=routing.GROUP_ROUNDS),
+                   routing.RoutingLaunch(**fast, num_warps=2)):
         routing.route_topk(logits, 8, "deepseek_v3", bias=torch.zeros(256), num_groups=8,
                            topk_groups=4, routed_scaling=2.5, launch=launch)
+    for experts, groups, dtype in ((384, 8, torch.float32), (256, 8, torch.bfloat16),
+                                   (60, 5, torch.float32)):
+        routing.route_topk(torch.zeros(64, experts, dtype=dtype), 8 if experts > 60 else 4,
+                           "deepseek_v3", bias=torch.zeros(experts), num_groups=groups,
+                           topk_groups=3, launch=routing.RoutingLaunch(**fast))
     routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk")
     routing.route_topk(torch.zeros(64, 128), 4, "softmax_topk_renorm",
                        launch=routing.RoutingLaunch(weights_from=routing.WEIGHTS_CARRY))
+    for method, experts, top_k in (("softmax_topk_renorm", 512, 32), ("sigmoid_topk", 128, 4),
+                                   ("topk_softmax", 256, 8)):
+        for weights_from in (routing.WEIGHTS_RELOAD, routing.WEIGHTS_LOAD_EACH):
+            routing.route_topk(torch.zeros(64, experts), top_k, method,
+                               launch=routing.RoutingLaunch(**fast, weights_from=weights_from))
     # permute_by_expert: the one-launch form (the rule at 512 pairs, with and without padding)
     # and the three-pass form with both ranks of pass 3
     ids = torch.zeros(64, 8, dtype=torch.int32)

@@ -17,6 +17,7 @@ import torch
 from a2a.backends import BackendUnavailable
 from a2a.routing import check_flashinfer_limits, route_topk_flashinfer
 from a2a.routing import route_topk as route_topk_stage
+from bench import floor
 from bench.near_ties import MAX_NEAR_TIE_ROWS, near_ties
 from kernels import reference, routing
 from kernels.routing import MAX_EXPERTS
@@ -388,13 +389,20 @@ def test_flashinfer_ranks_nan_first_as_its_adapter_documents(device):
 
 
 # Launch variants the sweep (python -m bench.tune) may pick: each must give the oracle's ids,
-# on rows with ties and rows with NaNs. CPU: a few, covering every value of every field; GPU:
-# the full product of the selection fields, and the row and warp counts on the default.
+# on rows with ties and rows with NaNs. CPU: a few, covering every value of every field (and
+# the sorted-queue rounds with every compact form and weight source, with 2 rows per program,
+# and with 2 warps, where they give way to the split rounds); GPU: the full product of the
+# selection fields, each with the default and the new sigmoid division and group top-2, and the
+# row and warp counts on the default.
 SELECTION_FIELDS = dict(
-    keys=[routing.KEYS_SPLIT32, routing.KEYS_PACKED64],
+    keys=[routing.KEYS_SPLIT32, routing.KEYS_PACKED64, routing.KEYS_QUEUES],
     group_select=[routing.GROUP_COUNT, routing.GROUP_ROUNDS],
     compact=[routing.COMPACT_NONE, routing.COMPACT_GATHER, routing.COMPACT_RELOAD],
     weights_from=[routing.WEIGHTS_RELOAD, routing.WEIGHTS_CARRY, routing.WEIGHTS_LOAD_EACH])
+# (reciprocal, group_top2): the defaults, and the forms that shorten the small-T chain
+CHAIN_FORMS = [(routing.RECIP_DIV_RN, routing.TOP2_COUNT), (routing.RECIP_FMA, routing.TOP2_PAIRS)]
+FAST = dict(reciprocal=routing.RECIP_FMA, keys=routing.KEYS_QUEUES,
+            group_top2=routing.TOP2_PAIRS)
 VARIANTS = [routing.PACKED64_ROUTING,
             routing.RoutingLaunch(keys=routing.KEYS_PACKED64),
             routing.RoutingLaunch(group_select=routing.GROUP_ROUNDS),
@@ -405,11 +413,33 @@ VARIANTS = [routing.PACKED64_ROUTING,
             routing.RoutingLaunch(weights_from=routing.WEIGHTS_LOAD_EACH, num_warps=2),
             routing.RoutingLaunch(keys=routing.KEYS_PACKED64, compact=routing.COMPACT_RELOAD,
                                   group_select=routing.GROUP_ROUNDS, rows_per_program=4,
-                                  num_warps=2)]
-ALL_VARIANTS = ([routing.RoutingLaunch(**dict(zip(SELECTION_FIELDS, combo)))
-                 for combo in itertools.product(*SELECTION_FIELDS.values())]
+                                  num_warps=2),
+            routing.RoutingLaunch(reciprocal=routing.RECIP_FMA),
+            routing.RoutingLaunch(group_top2=routing.TOP2_PAIRS),
+            routing.RoutingLaunch(keys=routing.KEYS_QUEUES),
+            routing.RoutingLaunch(**FAST),
+            routing.RoutingLaunch(**FAST, compact=routing.COMPACT_GATHER,
+                                  weights_from=routing.WEIGHTS_CARRY),
+            routing.RoutingLaunch(**FAST, compact=routing.COMPACT_RELOAD,
+                                  weights_from=routing.WEIGHTS_LOAD_EACH),
+            routing.RoutingLaunch(**FAST, rows_per_program=2, group_select=routing.GROUP_ROUNDS),
+            routing.RoutingLaunch(**FAST, num_warps=2)]
+# Without groups: every form of the rounds and of the weights' source, the queues with 4 rows
+WITHOUT_GROUPS_VARIANTS = [
+    routing.PACKED64_ROUTING, routing.RoutingLaunch(keys=routing.KEYS_PACKED64),
+    routing.RoutingLaunch(weights_from=routing.WEIGHTS_CARRY, rows_per_program=2),
+    routing.RoutingLaunch(weights_from=routing.WEIGHTS_LOAD_EACH, num_warps=2),
+    routing.RoutingLaunch(**FAST), routing.RoutingLaunch(**FAST, rows_per_program=4),
+    routing.RoutingLaunch(**FAST, weights_from=routing.WEIGHTS_CARRY),
+    routing.RoutingLaunch(**FAST, weights_from=routing.WEIGHTS_LOAD_EACH)]
+ALL_VARIANTS = ([routing.RoutingLaunch(**dict(zip(SELECTION_FIELDS, combo)), reciprocal=reciprocal,
+                                       group_top2=top2)
+                 for combo in itertools.product(*SELECTION_FIELDS.values())
+                 for reciprocal, top2 in CHAIN_FORMS]
                 + [routing.RoutingLaunch(rows_per_program=rows, num_warps=warps)
-                   for rows, warps in ((2, 1), (4, 1), (1, 2), (4, 2))])
+                   for rows, warps in ((2, 1), (4, 1), (1, 2), (4, 2))]
+                + [routing.RoutingLaunch(**FAST, rows_per_program=rows, num_warps=warps)
+                   for rows, warps in ((2, 1), (4, 1), (1, 2))])
 
 
 def variant_logits(num_tokens, num_experts, dtype, device):
@@ -435,13 +465,42 @@ def test_launch_variants_match_oracle(device, launch, num_experts, groups, top_k
                  **routing_kwargs("deepseek_v3", num_experts, device, groups))
 
 
+# The sorted-queue rounds on the other tile shapes: groups padded inside (160 / 8 = 20 -> 32
+# columns), 16 values per lane (E=384), bf16 logits (vectors of 8: two queues each), and a
+# compact tile whose groups are not in id order from one queue of a lane to the next.
+@NAN_ARITHMETIC
+@pytest.mark.parametrize("launch", [routing.RoutingLaunch(**FAST),
+                                    routing.RoutingLaunch(**FAST, compact=routing.COMPACT_RELOAD)],
+                         ids=launch_id)
+@pytest.mark.parametrize("num_experts, groups, top_k, dtype", [
+    (160, (8, 3), 6, torch.float32), (384, (8, 3), 8, torch.float32),
+    (256, (8, 4), 8, torch.bfloat16), (384, (8, 4), 8, torch.float32)],
+    ids=lambda v: str(v).replace("torch.", ""))
+def test_queue_rounds_match_oracle_on_other_tiles(device, launch, num_experts, groups, top_k,
+                                                  dtype):
+    logits = variant_logits(10, num_experts, dtype, device)
+    check_launch(logits, top_k, "deepseek_v3", launch,
+                 **routing_kwargs("deepseek_v3", num_experts, device, groups))
+
+
 @pytest.mark.parametrize("method, top_k", [("softmax_topk", 4), ("topk_softmax", 4),
                                            ("sigmoid_topk_renorm", 8)])
 @NAN_ARITHMETIC
-@pytest.mark.parametrize("launch", VARIANTS[:2] + VARIANTS[5:7], ids=launch_id)
+@pytest.mark.parametrize("launch", WITHOUT_GROUPS_VARIANTS, ids=launch_id)
 def test_launch_variants_match_oracle_without_groups(device, method, top_k, launch):
     logits = variant_logits(10, 128, torch.bfloat16, device)
     check_launch(logits, top_k, method, launch)
+
+
+@NAN_ARITHMETIC
+@pytest.mark.parametrize("launch", [routing.RoutingLaunch(**FAST),
+                                    routing.RoutingLaunch(**FAST,
+                                                          weights_from=routing.WEIGHTS_LOAD_EACH)],
+                         ids=launch_id)
+def test_queue_rounds_match_oracle_with_32_experts_chosen(device, launch):
+    """k = 32 of 512: a lane's queues run dry (NONE_KEY enters at their back) before the end."""
+    logits = variant_logits(6, 512, torch.float32, device)
+    check_launch(logits, 32, "softmax_topk_renorm", launch)
 
 
 @pytest.mark.gpu
@@ -456,12 +515,82 @@ def test_launch_variants_match_oracle_at_scale(device, launch, num_experts, grou
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys", SELECTION_FIELDS["keys"])
 @pytest.mark.parametrize("weights_from", SELECTION_FIELDS["weights_from"])
+@pytest.mark.parametrize("reciprocal", [routing.RECIP_DIV_RN, routing.RECIP_FMA])
 @pytest.mark.parametrize("method, num_experts, top_k", [
     ("deepseek_v3", 384, 8), ("softmax_topk_renorm", 512, 32), ("softmax_topk", 128, 4),
-    ("sigmoid_topk", 16, 1)])
+    ("sigmoid_topk", 16, 1), ("sigmoid_topk_renorm", 256, 8)])
 def test_launch_variants_match_oracle_at_scale_without_groups(device, keys, weights_from,
-                                                              method, num_experts, top_k):
+                                                              reciprocal, method, num_experts,
+                                                              top_k):
     logits = variant_logits(4096, num_experts, torch.float32, device)
-    check_launch(logits, top_k, method, routing.RoutingLaunch(keys=keys,
-                                                              weights_from=weights_from),
+    launch = routing.RoutingLaunch(keys=keys, weights_from=weights_from, reciprocal=reciprocal)
+    check_launch(logits, top_k, method, launch,
                  **routing_kwargs(method, num_experts, device, None))
+
+
+def sigmoid_sweep(device):
+    """fp32 logits [T, 32] whose every value is a different float: all of [-90, -85] (where
+    exp(-x) nears and passes 2**125 and overflows, so that 1 / (1 + exp(-x)) is subnormal or 0)
+    one float in 7, and 2**20 more log-uniform over +-1e-8 .. 100 of both signs."""
+    low = torch.tensor(-90.0).view(torch.int32).item()
+    high = torch.tensor(-85.0).view(torch.int32).item()
+    tail = torch.arange(high, low + 1, 7, dtype=torch.int32).view(torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    spread = torch.exp(torch.empty(1 << 20).uniform_(-18.5, 4.7, generator=gen))
+    spread = spread * (torch.randint(0, 2, (1 << 20,), generator=gen) * 2 - 1)
+    values = torch.cat([tail, spread, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+    values = torch.cat([values, torch.zeros(-len(values) % 32)])
+    return values.view(-1, 32).to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights_from", [routing.WEIGHTS_RELOAD, routing.WEIGHTS_LOAD_EACH])
+def test_branch_free_sigmoid_is_the_oracles_bit_for_bit(device, weights_from):
+    """RECIP_FMA's sigmoid (MUFU.RCP and the division's fast path written out, div.rn only for a
+    subnormal 1 / d) against the oracle's 1 / (1 + exp(-x)) on the same GPU, bit for bit: the
+    weights of sigmoid_topk with k = E are the sigmoids of the whole row."""
+    logits = sigmoid_sweep(device)
+    launch = routing.RoutingLaunch(reciprocal=routing.RECIP_FMA, keys=routing.KEYS_QUEUES,
+                                   weights_from=weights_from)
+    ids, weights = route_topk_triton(logits, 32, "sigmoid_topk", launch=launch)
+    want_ids, want_weights = reference.route_topk(logits, 32, "sigmoid_topk")
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(weights.view(torch.int32), want_weights.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", [routing.RoutingLaunch(reciprocal=routing.RECIP_FMA),
+                                    routing.RoutingLaunch(reciprocal=routing.RECIP_FMA,
+                                                          num_warps=2),
+                                    routing.RoutingLaunch(**FAST),
+                                    routing.RoutingLaunch(**FAST, compact=routing.COMPACT_RELOAD)],
+                         ids=launch_id)
+def test_branch_free_sigmoid_ranks_tiny_scores_as_the_oracle(device, launch):
+    """DeepSeek-V3 rows with no bias whose scores are tiny sigmoids: logits in [-90, -85]
+    (mostly subnormal sigmoids or 0, taking the div.rn branch, all of a thread's values
+    together) and in [-86.6, -84] (1 / d just above the smallest normals, the fast path's
+    edge), many exact ties among them: the ids match only if each sigmoid is the oracle's bit
+    for bit."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.rand(2048, 256, generator=gen)
+    logits[:1024] = logits[:1024] * -5.0 - 85.0
+    logits[1024:] = logits[1024:] * -2.6 - 84.0
+    logits[::3] = (logits[::3] * 4).round() / 4  # exact ties of the logits too
+    logits = logits.to(device)
+    check_launch(logits, 8, "deepseek_v3", launch, bias=torch.zeros(256, device=device),
+                 num_groups=8, topk_groups=4, routed_scaling=2.5)
+
+
+def test_routing_launch_floor_kernels(device):
+    """bench.floor's routing yardsticks (timed by bench.tune beside the routing cases): the
+    empty kernel stores its one value; row_ids stores each row's int32 max plus 0 .. k-1, so
+    that every id depends on the whole row."""
+    (out,) = floor.empty_launch(device)()
+    assert out.tolist() == [0]
+    logits = make_logits(19, 256, torch.float32, device)
+    ids = floor.row_ids(logits, 8)
+    top = logits.view(torch.int32).max(dim=1).values
+    assert torch.equal(ids, top[:, None] + torch.arange(8, dtype=torch.int32, device=device))
+    assert floor.row_ids(logits[:0], 8).shape == (0, 8)
+    with pytest.raises(ValueError, match="power-of-two top_k"):
+        floor.row_ids(logits, 6)
