@@ -177,8 +177,13 @@ def guard_cases(tokens: int) -> dict:
         "quantize_mxfp4": (body("quantize_mxfp4", *fields(block)), (x,)),
         "dequantize_nvfp4": (lambda p, s, g: registered["dequantize_nvfp4"].body(
             p, s, g, "linear", torch.bfloat16, *fields(block)), (packed, scales, gs)),
+        "quantize_nvfp4_out": (lambda x_, gs_, out, sf: registered["quantize_nvfp4_out"].body(
+            x_, gs_, "linear", False, None, out, sf, *fields(nvfp4)), (x, gs, packed, scales)),
         "dequantize_mxfp4": (lambda p, s: registered["dequantize_mxfp4"].body(
             p, s, torch.bfloat16, *fields(block)), (packed, mx_scales)),
+        "dequantize_mxfp8": (lambda c, s: registered["dequantize_mxfp8"].body(
+            c, s, torch.bfloat16, *fields(block)),
+            (torch.zeros(tokens, hidden, dtype=torch.float8_e4m3fn), mx_scales)),
         "swizzle_scales": (body("swizzle_scales", "swizzled_128x4"), (scales,)),
     }
 
