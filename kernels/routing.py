@@ -824,8 +824,11 @@ def _route_topk_face(traced: bool):
 def _route_topk_torch(logits: torch.Tensor, top_k: int, method: str,
                       bias: Optional[torch.Tensor], num_groups: int, topk_groups: int,
                       routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.route_topk(logits, top_k, method, bias=bias, num_groups=num_groups,
-                                topk_groups=topk_groups, routed_scaling=routed_scaling)
+    ids, weights = reference.route_topk(logits, top_k, method, bias=bias, num_groups=num_groups,
+                                        topk_groups=topk_groups, routed_scaling=routed_scaling)
+    # contiguous, as the Triton face's and the fake's (the oracle's ids may be a view of its
+    # [T, E] sort)
+    return ids.contiguous(), weights.contiguous()
 
 
 def _route_topk_fake(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,

@@ -11,165 +11,41 @@ same with Inductor compiling the Triton kernels itself (the interpreter keeps th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from bench.ops import OpCall, bits, op_call, tensors_of
+from bench.stages import DEEPSEEK_GROUPS, DEEPSEEK_SCALING, DEEPSEEK_TOPK_GROUPS
 from kernels import gather as G
 from kernels import ops, reference
 from kernels import permute as PM
 from kernels import prepare as PR
-from kernels import quantize as Q
 from kernels import routing as RT
-from kernels.library import config_fields
-from kernels.types import LocalSendPlan, Permutation
 from tests.support import assert_close
 
-# Small DeepSeek-V3-like shapes (the interpreter runs every kernel in Python).
-EXPERTS, TOP_K, GROUPS, KEEP, SCALING = 64, 4, 8, 4, 2.5
+# Small DeepSeek-V3-like shapes (the interpreter runs every kernel in Python); the groups and
+# the scaling are the bench's (bench.stages).
+EXPERTS, TOP_K = 64, 4
+GROUPS, KEEP, SCALING = DEEPSEEK_GROUPS, DEEPSEEK_TOPK_GROUPS, DEEPSEEK_SCALING
 HIDDEN = 64
 
 
-@dataclass(frozen=True)
-class Case:
-    """One op's call: the ``.triton`` overload's arguments (the launch config unpacked at the
-    end), the ``.torch`` overload's, the public function and the oracle (no arguments), and
-    ``compared``: how many leading outputs of the overloads the public function returns (the
-    rest, e.g. permute's id range, are compared between the two overloads only)."""
-
-    triton: tuple
-    torch: tuple
-    public: Callable
-    oracle: Callable
-    compared: int
-    mutated: tuple = ()   # indices of arguments the op writes (the out= form)
-    # indices of outputs whose Triton and oracle values agree within the tolerance table, not
-    # bit for bit (the routing weights: tests/test_routing.py)
-    tolerant: tuple = ()
-
-
-def _randn(generator, *shape, dtype=torch.float32, device="cpu"):
-    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+def make_case(name: str, device: torch.device, tokens: int = 5) -> OpCall:
+    """The call of op ``name`` on ``tokens`` tokens of the test's small shapes (the bench's
+    ``ops`` stage makes the same calls at T=16 on DeepSeek-R1's)."""
+    return op_call(name, device, tokens, HIDDEN, EXPERTS, TOP_K)
 
 
 def _routing(generator, tokens, device):
-    logits = _randn(generator, tokens, EXPERTS, device=device)
-    bias = _randn(generator, EXPERTS, device=device)
+    logits = torch.randn(tokens, EXPERTS, generator=generator).to(device)
+    bias = torch.randn(EXPERTS, generator=generator).to(device)
     return reference.route_topk(logits, TOP_K, "deepseek_v3", bias=bias, num_groups=GROUPS,
                                 topk_groups=KEEP, routed_scaling=SCALING)
 
 
-def make_case(name: str, device: torch.device, tokens: int = 5) -> Case:
-    """The call of op ``name`` on ``tokens`` tokens (fixed seed)."""
-    g = torch.Generator().manual_seed(tokens)
-    x = _randn(g, tokens, HIDDEN, dtype=torch.bfloat16, device=device)
-    if name == "route_topk":
-        logits = _randn(g, tokens, EXPERTS, device=device)
-        bias = _randn(g, EXPERTS, device=device)
-        args = (logits, TOP_K, "deepseek_v3", bias, GROUPS, KEEP, SCALING)
-        options = dict(bias=bias, num_groups=GROUPS, topk_groups=KEEP, routed_scaling=SCALING)
-        return Case(args + config_fields(RT.DEFAULT_ROUTING), args,
-                    lambda: RT.route_topk(logits, TOP_K, "deepseek_v3", **options),
-                    lambda: reference.route_topk(logits, TOP_K, "deepseek_v3", **options), 2,
-                    tolerant=(1,))
-    ids, weights = _routing(g, tokens, device)
-    if name == "local_send_plan":
-        args = (ids, EXPERTS, 2, 8, EXPERTS)
-        return Case(args, args,
-                    lambda: PR.local_send_plan(ids, EXPERTS, 2, max_tokens_per_rank=8),
-                    lambda: reference.local_send_plan(ids, EXPERTS, 2, max_tokens_per_rank=8),
-                    5)
-    if name == "permute_by_expert":
-        args = (ids, EXPERTS, 16, 32, 4)
-        options = dict(first_expert=16, num_local_experts=32, align=4)
-        return Case(args + config_fields(PM.DEFAULT_PERMUTE), args,
-                    lambda: PM.permute_by_expert(ids, EXPERTS, **options),
-                    lambda: reference.permute_by_expert(ids, EXPERTS, **options), 4)
-    perm = reference.permute_by_expert(ids, EXPERTS)
-    gs = reference.nvfp4_global_scale(x)
-    packed, scales = reference.quantize_nvfp4(x, gs)
-    if name == "gather_rows":
-        args = (packed, perm.source_rows, scales, TOP_K)
-        return Case(args, args,
-                    lambda: G.gather_rows(packed, perm, scales=scales),
-                    lambda: reference.gather_rows(packed, perm, scales=scales), 2)
-    if name == "unpermute_and_reduce":
-        expert_out = _randn(g, tokens * TOP_K, HIDDEN, dtype=torch.bfloat16, device=device)
-        args = (expert_out, perm.inverse, weights)
-        return Case(args, args, lambda: G.unpermute_and_reduce(expert_out, perm, weights),
-                    lambda: reference.unpermute_and_reduce(expert_out, perm, weights), 1)
-    if name == "nvfp4_global_scale":
-        return Case((x,) + config_fields(Q.DEFAULT_AMAX), (x,),
-                    lambda: Q.nvfp4_global_scale(x), lambda: reference.nvfp4_global_scale(x), 1)
-    rows = torch.tensor([tokens - 1, 0, 1], dtype=torch.int32, device=device)
-    if name == "quantize_nvfp4":
-        args = (x, gs, "swizzled_128x4", False, rows)
-        options = dict(layout="swizzled_128x4", rows=rows)
-        return Case(args + config_fields(Q.DEFAULT_NVFP4), args,
-                    lambda: Q.quantize_nvfp4(x, gs, **options),
-                    lambda: reference.quantize_nvfp4(x, gs, **options), 2)
-    if name == "quantize_nvfp4_out":
-        out = torch.zeros(tokens, HIDDEN // 2, dtype=torch.uint8, device=device)
-        out_scales = torch.zeros(tokens, HIDDEN // 16, dtype=torch.uint8, device=device)
-        args = (x, gs, "linear", False, None, out, out_scales)
-        return Case(args + config_fields(Q.DEFAULT_NVFP4), args,
-                    lambda: Q.quantize_nvfp4(x, gs, out=torch.zeros_like(out),
-                                             out_scales=torch.zeros_like(out_scales)),
-                    lambda: reference.quantize_nvfp4(x, gs), 0, mutated=(5, 6))
-    if name in ("quantize_mxfp8", "quantize_mxfp4"):
-        public, oracle = getattr(Q, name), getattr(reference, name)
-        return Case((x,) + config_fields(Q.DEFAULT_BLOCK), (x,), lambda: public(x),
-                    lambda: oracle(x), 2)
-    if name == "dequantize_nvfp4":
-        sw_packed, sw_scales = reference.quantize_nvfp4(x, gs, layout="swizzled_128x4")
-        args = (sw_packed, sw_scales, gs, "swizzled_128x4", torch.bfloat16)
-        options = dict(layout="swizzled_128x4", dtype=torch.bfloat16)
-        return Case(args + config_fields(Q.DEFAULT_BLOCK), args,
-                    lambda: Q.dequantize_nvfp4(sw_packed, sw_scales, gs, **options),
-                    lambda: reference.dequantize_nvfp4(sw_packed, sw_scales, gs, **options), 1)
-    if name in ("dequantize_mxfp8", "dequantize_mxfp4"):
-        codes, mx_scales = getattr(reference, name.replace("dequantize", "quantize"))(x)
-        public, oracle = getattr(Q, name), getattr(reference, name)
-        args = (codes, mx_scales, torch.float32)
-        return Case(args + config_fields(Q.DEFAULT_BLOCK), args,
-                    lambda: public(codes, mx_scales), lambda: oracle(codes, mx_scales), 1)
-    linear = reference.quantize_nvfp4(x, gs)[1]
-    if name == "swizzle_scales":
-        args = (linear, "swizzled_128x4")
-        return Case(args, args, lambda: Q.swizzle_scales(*args),
-                    lambda: reference.swizzle_scales(*args), 1)
-    if name == "unswizzle_scales":
-        swizzled = reference.swizzle_scales(linear, "swizzled_128x4")
-        args = (swizzled, "swizzled_128x4", tokens, HIDDEN // 16)
-        return Case(args, args, lambda: Q.unswizzle_scales(*args),
-                    lambda: reference.unswizzle_scales(*args), 1)
-    raise AssertionError(f"no case for op {name}")
-
-
-def tensors_of(result) -> tuple:
-    """The tensors of a result, flat: a Permutation's four buffers, a LocalSendPlan's five."""
-    if result is None:
-        return ()
-    if isinstance(result, torch.Tensor):
-        return (result,)
-    if isinstance(result, Permutation):
-        return (result.source_rows, result.expert_counts, result.expert_offsets,
-                result.inverse)
-    if isinstance(result, LocalSendPlan):
-        return tuple(result.tensors().values())
-    return tuple(t for part in result for t in tensors_of(part))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bit pattern (NaN payloads included) as an integer tensor of its shape."""
-    t = t.contiguous()
-    if t.is_floating_point():
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                       8: torch.int64}[t.element_size()])
-    return t
+def _randn(generator, *shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
 
 
 def assert_same_bits(actual, expected, what: str, tolerant: tuple = ()) -> None:
@@ -186,7 +62,7 @@ def assert_same_bits(actual, expected, what: str, tolerant: tuple = ()) -> None:
             assert torch.equal(bits(a), bits(e)), f"{what}[{i}]: the bits differ"
 
 
-def run_overload(op, case: Case, face: str):
+def run_overload(op, case: OpCall, face: str):
     """Call the overload ``face`` of ``op``; returns its outputs (the mutated buffers for the
     out= form, written on fresh zeroed copies)."""
     args = list(case.triton if face == "triton" else case.torch)
