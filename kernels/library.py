@@ -140,7 +140,12 @@ def eager_bypass(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether a public function may run its op's launch directly instead of calling the op:
     not being traced (``torch.compile``, export), no TorchDispatchMode active (a profiler by op
     name, fake or functional tensors), and plain tensors (no subclass). The launch is then
-    exactly the op's, so the results are the same bits."""
+    exactly the op's, so the results are the same bits.
+
+    Why a bypass rather than a cheaper registration: an op defined on a
+    ``torch.library.Library`` fragment with a ``CompositeExplicitAutograd`` kernel costs a
+    fraction of a ``custom_op``'s dispatch, but has no ``triton_op`` form, so Inductor would not
+    see (nor the compile cache hash) the kernels; docs/design.md, "Registered ops"."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     for t in tensors:

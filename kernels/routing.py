@@ -826,9 +826,10 @@ def _route_topk_torch(logits: torch.Tensor, top_k: int, method: str,
                       routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     ids, weights = reference.route_topk(logits, top_k, method, bias=bias, num_groups=num_groups,
                                         topk_groups=topk_groups, routed_scaling=routed_scaling)
-    # contiguous, as the Triton face's and the fake's (the oracle's ids may be a view of its
-    # [T, E] sort)
-    return ids.contiguous(), weights.contiguous()
+    # dense row-major strides, as the Triton face's and the fake's (the oracle's ids may be a
+    # view of its [T, E] sort, which .contiguous() keeps as it is when T == 1)
+    return (ids.clone(memory_format=torch.contiguous_format),
+            weights.clone(memory_format=torch.contiguous_format))
 
 
 def _route_topk_fake(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
