@@ -222,8 +222,8 @@ class CompiledChain(DecodeChain):
 def compiled_reason(device: torch.device) -> Optional[str]:
     """Why the compiled chain cannot run on ``device`` (None where it can)."""
     if device.type != "cuda":
-        return ("n/a: the compiled chain needs a GPU (under Triton's interpreter the registered "
-                "ops are opaque to Inductor, so there is nothing of the chain to compile)")
+        return ("not available: the compiled chain needs a GPU (under Triton's interpreter the "
+                "registered ops are opaque to Inductor: nothing of the chain to compile)")
     return None
 
 
