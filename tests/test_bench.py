@@ -440,11 +440,12 @@ def test_transport_targets_pair_sum_and_best_flashinfer():
 
 def test_target_shapes_are_in_the_default_and_deepseek_sweeps():
     from bench.decode import DECODE, DECODE_SWEEP
+    from bench.ops import OPS
     from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, PREPARE, TRANSPORT_SWEEP
     from bench.targets import TARGETS
     from bench.transport import COMBINE, DISPATCH
     stages = {"quantize": QUANTIZE, "routing": ROUTING, "permute": PERMUTE, "prepare": PREPARE,
-              "dispatch": DISPATCH, "combine": COMBINE, "decode": DECODE}
+              "dispatch": DISPATCH, "combine": COMBINE, "decode": DECODE, "ops": OPS}
     # the transport sweep holds the transport's targets, the decode sweep the decode chain's
     own = {"dispatch": TRANSPORT_SWEEP, "combine": TRANSPORT_SWEEP, "decode": DECODE_SWEEP}
     for target in TARGETS:

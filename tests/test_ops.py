@@ -99,6 +99,11 @@ def test_opcheck(name, face, device):
     op = ops.registered_ops()[name]
     case = make_case(name, device, tokens=3)
     args = case.triton if face == "triton" else case.torch
+    if name == "dequantize_mxfp8" and device.type == "cpu":
+        # opcheck's schema check compares each input before and after the call with allclose,
+        # which torch does not implement for float8 on a CPU; the op takes the codes' uint8
+        # bits as well (the float8 codes are covered by the other tests)
+        args = (args[0].view(torch.uint8),) + tuple(args[1:])
     torch.library.opcheck(op.overload(face), args, raise_exception=True)
 
 
