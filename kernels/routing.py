@@ -803,7 +803,8 @@ def _check_route(logits, top_k, method, bias, num_groups, topk_groups, routed_sc
 
 def _route_topk_face(traced: bool):
     def route_topk_op(logits: torch.Tensor, top_k: int, method: str, bias: Optional[torch.Tensor],
-                      num_groups: int, topk_groups: int, routed_scaling: float, num_warps: int,
+                      num_groups: Optional[int], topk_groups: Optional[int],
+                      routed_scaling: float, num_warps: int,
                       elements_per_program: int, target_programs: int,
                       rows_per_program: Optional[int], compact: int, keys: int,
                       group_select: int, weights_from: int, reciprocal: int,
@@ -822,7 +823,8 @@ def _route_topk_face(traced: bool):
 
 
 def _route_topk_torch(logits: torch.Tensor, top_k: int, method: str,
-                      bias: Optional[torch.Tensor], num_groups: int, topk_groups: int,
+                      bias: Optional[torch.Tensor], num_groups: Optional[int],
+                      topk_groups: Optional[int],
                       routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     ids, weights = reference.route_topk(logits, top_k, method, bias=bias, num_groups=num_groups,
                                         topk_groups=topk_groups, routed_scaling=routed_scaling)
@@ -868,10 +870,11 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
     No host synchronisation: safe to capture in a CUDA graph. Runs the registered op
     ``moe_a2a::route_topk.triton`` (directly in eager mode: ``kernels.library``).
     """
-    num_groups, topk_groups = _check_route(logits, top_k, method, bias, num_groups,
-                                           topk_groups, routed_scaling)
+    groups, kept = _check_route(logits, top_k, method, bias, num_groups, topk_groups,
+                                routed_scaling)
     if library.eager_bypass(logits, bias):
-        return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
-                       launch, traced=False)
+        return _launch(logits, top_k, method, bias, groups, kept, routed_scaling, launch,
+                       traced=False)
+    # the arguments as given (None where not given): the op runs the same checks
     return ROUTE_TOPK.triton(logits, top_k, method, bias, num_groups, topk_groups,
                              float(routed_scaling), *library.config_fields(launch))

@@ -344,3 +344,16 @@ def test_compiled_chain_in_a_cuda_graph_on_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert_same_bits(captured, decode_chain(*fresh), f"graph replay {replay}")
+
+
+@pytest.mark.parametrize("method", ["softmax_topk", "sigmoid_topk"])
+def test_routing_without_groups_through_the_op(method, device):
+    """The public function hands the op its arguments as given (num_groups None for a method
+    without groups): the op's own checks accept them, compiled as eagerly."""
+    torch._dynamo.reset()
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(5)).to(device)
+
+    def route(logits):
+        return RT.route_topk(logits, 2, method)
+    assert_same_bits(torch.compile(route, backend="eager", fullgraph=True)(logits),
+                     route(logits), f"{method} compiled")
