@@ -246,16 +246,22 @@ def resolve(stage: str, backend: Optional[str], device, **context) -> str:
     if requested == "auto":
         chosen = next((candidate for candidate in AUTO_ORDER[stage]
                        if why_unavailable(stage, candidate, device, **context) is None), "torch")
-        logger.debug("%s: %r -> %s (on %s)", stage, requested, chosen, device)
+        _log_choice(stage, requested, chosen, device)
         return chosen
     reason = why_unavailable(stage, requested, device, **context)
     if reason is None:
-        logger.debug("%s: %r -> %s (on %s)", stage, requested, requested, device)
+        _log_choice(stage, requested, requested, device)
         return requested
     can = available_backends(stage, device, **context)
     raise BackendUnavailable(
         f"{stage} backend {requested!r} cannot run here: {reason}. "
         f"Backends that can: {', '.join(can) if can else 'none'} (or 'auto').")
+
+
+def _log_choice(stage: str, requested: str, chosen: str, device: torch.device) -> None:
+    # Not while torch.compile traces the caller: a logging call there is a graph break.
+    if not torch.compiler.is_compiling():
+        logger.debug("%s: %r -> %s (on %s)", stage, requested, chosen, device)
 
 
 def _check_stage(stage: str) -> None:

@@ -25,6 +25,8 @@ if not torch.cuda.is_available():
 
 from bench import report  # noqa: E402
 from bench.decode import DECODE, DECODE_SWEEP  # noqa: E402
+from bench.ops import OPS  # noqa: E402
+from bench.ops import ROWS as OPS_ROWS  # noqa: E402
 from bench.runner import RunContext, add_speedups, run_stages  # noqa: E402
 from bench.stages import (CPU_QUICK_SWEEP, CPU_SWEEP, DEEPSEEK_SWEEP,  # noqa: E402
                           DEFAULT_SWEEP, QUICK_SWEEP, SINGLE_DEVICE_STAGES, TRANSPORT_SWEEP,
@@ -33,11 +35,12 @@ from bench.targets import judge_targets  # noqa: E402
 from bench.timing import measure_limits  # noqa: E402
 from bench.transport import DISTRIBUTED_STAGES, not_distributed_record  # noqa: E402
 
-# The one-GPU stages (one per op, then the decode chain that strings them), then the cross-rank.
-ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + (DECODE,) + DISTRIBUTED_STAGES
+# The one-GPU stages (one per op, the decode chain that strings them, the registered ops' eager
+# call costs), then the cross-rank.
+ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + (DECODE, OPS) + DISTRIBUTED_STAGES
 STAGE_NAMES = tuple(dict.fromkeys(s.name for s in ALL_STAGES))
 BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "flashinfer_routing", "torch",
-                 "torch_compile")
+                 "torch_compile", "triton_compiled") + OPS_ROWS
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 # Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.

@@ -24,6 +24,8 @@ the ``bf16`` payload the sender still quantizes and the receiver gathers the bf1
 Paths (rows): ``triton`` (every op with ``backend="triton"`` and every check that reads the
 device turned off, ``check_ids=False`` and ``check_values=False``: no host sync, so a CUDA
 graph captures the whole chain),
+``triton_compiled`` (the same chain under ``torch.compile(fullgraph=True)``, default mode:
+Inductor launches the registered ops' kernels itself; timed by eager calls, GPU only),
 ``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
 step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
 permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
@@ -53,7 +55,7 @@ import torch
 from bench.near_ties import MAX_NEAR_TIE_ROWS
 from bench.stages import (DEEPSEEK_GROUPS, DEEPSEEK_SCALING, DEEPSEEK_TOPK_GROUPS, PERMUTE,
                           PREPARE, QUANTIZE, ROUTING, ROUTING_WEIGHT_TOL, Path, Stage, Sweep,
-                          assert_same, check_routing_near_ties, generator,
+                          Unavailable, assert_same, check_routing_near_ties, generator,
                           make_path, stage_backend)
 
 # DeepSeek-R1-FP4's dimensions: the chain's shape on every GPU sweep (DecodeStage).
@@ -73,6 +75,8 @@ LAUNCH_COUNT_CALLS = 3
 # Salts of bench.stages.generator: the stage's inputs, then replay r's fresh inputs (SALT + r).
 INPUT_SALT = 40
 ROUTING_METHOD = "deepseek_v3"
+# The row of the chain compiled by torch.compile (:class:`CompiledChain`).
+COMPILED_BACKEND = "triton_compiled"
 # The token counts whose chain time has a target (bench/targets.py).
 TARGET_TOKENS = (16, 64, 256, 2048)
 
@@ -198,6 +202,29 @@ class DecodeChain:
         """Copy new inputs into the buffers every call (and every captured graph) reads."""
         self.logits.copy_(logits)
         self.x.copy_(x)
+
+
+class CompiledChain(DecodeChain):
+    """:class:`DecodeChain` under ``torch.compile(fullgraph=True)`` in its default mode
+    (Inductor, no CUDA graphs; ``dynamic=False``: a shape of the stage compiles once for its
+    T). Inductor sees the Triton kernels of the registered ops (``kernels.library``) and
+    launches them from its own wrapper code; the row is timed by eager calls, beside the
+    ``triton`` row's CUDA-graph replay of the uncompiled chain."""
+
+    def __init__(self, steps: ChainSteps, inputs: dict, shape: dict):
+        super().__init__(steps, inputs, shape)
+        self.compiled = torch.compile(super().__call__, fullgraph=True, dynamic=False)
+
+    def __call__(self) -> DecodeOutputs:
+        return self.compiled()
+
+
+def compiled_reason(device: torch.device) -> Optional[str]:
+    """Why the compiled chain cannot run on ``device`` (None where it can)."""
+    if device.type != "cuda":
+        return ("not available: the compiled chain needs a GPU (under Triton's interpreter the "
+                "registered ops are opaque to Inductor: nothing of the chain to compile)")
+    return None
 
 
 def oracle_chain(inputs: dict, shape: dict) -> DecodeOutputs:
@@ -384,22 +411,26 @@ def flashinfer_reason(device: torch.device) -> str:
 def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     device = inputs["x"].device
 
-    def chain_path(backend: str, routing_backend: str, timed: str) -> Path:
+    def chain_path(backend: str, routing_backend: str, timed: str,
+                   compiled: bool = False) -> Path:
         holder: dict = {}
 
         def factory():
             stage_backend("routing", routing_backend, device, method=ROUTING_METHOD)
             for stage in ("quantize", "permute"):
                 stage_backend(stage, "triton", device)
-            holder["chain"] = DecodeChain(triton_steps(routing_backend), inputs, shape)
+            if compiled and compiled_reason(device):
+                raise Unavailable(compiled_reason(device))
+            chain_class = CompiledChain if compiled else DecodeChain
+            holder["chain"] = chain_class(triton_steps(routing_backend), inputs, shape)
             return holder["chain"]
 
         near_ties = routing_backend == "flashinfer"
 
         def check(out, ref, checked_inputs, checked_shape) -> str:
             remark = check_chain(out, ref, checked_inputs, checked_shape, near_ties=near_ties)
-            if device.type != "cuda":
-                return remark  # no CUDA graph in the interpreter
+            if device.type != "cuda" or compiled:
+                return remark  # no CUDA graph in the interpreter; the compiled row runs eagerly
             chain = holder["chain"]
             near = check_replays(chain, graph_replayer(chain), inputs, REPLAY_CHECKS,
                                  near_ties=near_ties)
@@ -408,7 +439,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 replays += f" ({near} near-tie row(s) picked another id set)"
             return "; ".join(part for part in (remark, replays) if part)
 
-        path = make_path(backend, factory, capture_safe=True, timed=timed, check=check)
+        # the compiled chain is timed by eager calls (its own launches, not a CUDA graph)
+        path = make_path(backend, factory, capture_safe=not compiled, timed=timed, check=check)
         if path.run is None:
             return path
         return dataclasses.replace(
@@ -419,6 +451,10 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         oracle, facts=lambda: {"launches": count_launches(oracle.run, device)})
     return [chain_path("triton", "triton",
                        "timed: the whole chain, Triton, check_ids/check_values=False"),
+            chain_path(COMPILED_BACKEND, "triton",
+                       "timed: the triton row's chain under torch.compile(fullgraph=True), "
+                       "default mode (Inductor, no CUDA graphs), dynamic=False, eager calls",
+                       compiled=True),
             chain_path("flashinfer_routing", "flashinfer",
                        "timed: the chain with FlashInfer's fused_topk_deepseek as its routing "
                        "step, the other steps Triton"),

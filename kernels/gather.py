@@ -15,10 +15,14 @@ from typing import Optional, Union
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
+from kernels import library, reference
 from kernels.casting import round_to
+from kernels.hardware import can_run_ptx
 from kernels.spec.permute import (check_gather_inputs, check_gather_values,
-                                  check_unpermute_inputs, check_unpermute_values)
+                                  check_inverse_values, check_unpermute_inputs,
+                                  check_unpermute_tensors)
 from kernels.types import UNUSED, Permutation
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
@@ -65,8 +69,11 @@ def _word_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
-def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The gather of contiguous ``table`` rows by contiguous ``rows`` (checked arguments)."""
+def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int,
+                   traced: bool) -> torch.Tensor:
+    """The gather of contiguous ``table`` rows by contiguous ``rows`` (checked arguments);
+    ``traced``: launch through ``wrap_triton`` (the op's body), else the kernel itself (the
+    eager path)."""
     out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
     if out.numel() == 0:
         return out
@@ -76,13 +83,53 @@ def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int) -> torch
     table_words = table.reshape(-1).view(torch.uint8).view(word).reshape(table.shape[0],
                                                                          row_words)
     out_words = out.view(torch.uint8).view(word)
+    # the tile from the row width (static), the grid from the row count
     block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(row_words))
     block_rows = GATHER_TILE_WORDS // block_words
     grid = (triton.cdiv(rows.numel(), block_rows), triton.cdiv(row_words, block_words))
-    _gather_rows_kernel[grid](table_words, rows, out_words, rows.numel(), table.shape[0] * top_k,
-                              top_k, row_words, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words,
-                              num_warps=4)
+    kernel = wrap_triton(_gather_rows_kernel) if traced else _gather_rows_kernel
+    kernel[grid](table_words, rows, out_words, rows.numel(), table.shape[0] * top_k, top_k,
+                 row_words, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
     return out
+
+
+def _launch_gather_rows(x: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
+                        top_k: int, traced: bool) -> list[torch.Tensor]:
+    """[out] or [out, out_scales] on checked arguments (copied to contiguous tensors here)."""
+    rows = rows.contiguous()
+    outs = [_launch_gather(x.contiguous(), rows, top_k, traced)]
+    if scales is not None:
+        outs.append(_launch_gather(scales.contiguous(), rows, top_k, traced))
+    return outs
+
+
+def _gather_rows_face(traced: bool):
+    def gather_rows_op(x: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
+                       top_k: int) -> list[torch.Tensor]:
+        """``moe_a2a::gather_rows``: rows [P] int32 (a tensor, not a Permutation) -> [out]
+        or [out, out_scales] (a list: an op cannot return an optional tensor)."""
+        check_gather_inputs(x, rows, scales, top_k)
+        return _launch_gather_rows(x, rows, scales, top_k, traced)
+    return gather_rows_op
+
+
+def _gather_rows_torch(x: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
+                       top_k: int) -> list[torch.Tensor]:
+    out = reference.gather_rows(x, rows, scales=scales, top_k=top_k, check_values=False)
+    return [out] if scales is None else list(out)
+
+
+def _gather_rows_fake(x, rows, scales, top_k):
+    outs = [x.new_empty((rows.shape[0], x.shape[1]))]
+    if scales is not None:
+        outs.append(scales.new_empty((rows.shape[0], scales.shape[1])))
+    return outs
+
+
+GATHER_ROWS = library.register("gather_rows", triton=_gather_rows_face(True),
+                               launch=_gather_rows_face(False), torch_face=_gather_rows_torch,
+                               fake=_gather_rows_fake)
+library.register_value_check("gather_rows", check_gather_values)
 
 
 def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
@@ -114,10 +161,12 @@ def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
     """
     rows, top_k = check_gather_inputs(x, rows, scales, top_k)
     if check_values:
-        check_gather_values(rows, x.shape[0], top_k)
-    rows = rows.contiguous()
-    out = _launch_gather(x.contiguous(), rows, top_k)
-    return out if scales is None else (out, _launch_gather(scales.contiguous(), rows, top_k))
+        library.run_value_check("gather_rows", [rows], [x.shape[0], top_k])
+    if library.eager_bypass(x, rows, scales):
+        outs = _launch_gather_rows(x, rows, scales, top_k, traced=False)
+    else:
+        outs = GATHER_ROWS.triton(x, rows, scales, top_k)
+    return outs[0] if scales is None else (outs[0], outs[1])
 
 
 # =============================================================================================
@@ -125,13 +174,32 @@ def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
 # =============================================================================================
 
 @triton.jit
+def _mul_rn(a, b):
+    """a * b rounded once to nearest even (``mul.rn.f32``: PTX never contracts an operation
+    with an explicit rounding mode into an FMA); GPU only."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _add_rn(a, b):
+    """a + b rounded once to nearest even (``add.rn.f32``, never contracted); GPU only."""
+    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_ptr, num_tokens,
                                  num_rows, hidden, weight_stride_token, weight_stride_slot,
                                  TOP_K: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                                 BLOCK_COLS: tl.constexpr):
+                                 BLOCK_COLS: tl.constexpr, RN_ASM: tl.constexpr):
     """``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j in
-    fixed order 0..k-1, float32 accumulation; launched with fp fusion off so each slot is one
-    rounded multiply and one rounded add, exactly as the oracle computes."""
+    fixed order 0..k-1, float32 accumulation: each slot is one rounded multiply and one
+    rounded add, exactly as the oracle computes. RN_ASM (a GPU): the multiply and the add are
+    ``mul.rn`` / ``add.rn`` inline PTX, which no compiler fuses into an FMA, so the bits hold
+    also where the launch option ``enable_fp_fusion=False`` is not passed on (Inductor compiles
+    a registered op's kernels with its own launch options); else (the interpreter) plain
+    ``*`` and ``+``, launched with fp fusion off."""
     tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     token_ok = tokens < num_tokens
@@ -144,7 +212,12 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
                          mask=owned, other=0).to(tl.float32)
         values = tl.load(expert_out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
                          mask=owned[:, None] & col_ok[None, :], other=0).to(tl.float32)
-        acc = tl.where(owned[:, None], acc + weight[:, None] * values, acc)
+        if RN_ASM:
+            weights = tl.broadcast_to(weight[:, None], [BLOCK_TOKENS, BLOCK_COLS])
+            total = _add_rn(acc, _mul_rn(weights, values))
+        else:
+            total = acc + weight[:, None] * values
+        acc = tl.where(owned[:, None], total, acc)
     tl.store(out_ptr + tokens.to(tl.int64)[:, None] * hidden + cols[None, :],
              round_to(acc, out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
 
@@ -155,6 +228,53 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
 # accumulators per thread. Narrower rows take more tokens per program.
 UNPERMUTE_TILE = 2048
 UNPERMUTE_BLOCK_COLS = 1024
+
+
+def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
+                      topk_weights: torch.Tensor, traced: bool) -> torch.Tensor:
+    """The launch on checked tensors (``expert_out`` and ``inverse`` copied to contiguous
+    tensors here); ``traced`` as in :func:`_launch_gather`."""
+    num_tokens, top_k = topk_weights.shape
+    hidden = expert_out.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
+    if out.numel() == 0:
+        return out
+    expert_out = expert_out.contiguous()
+    block_cols = min(UNPERMUTE_BLOCK_COLS, triton.next_power_of_2(hidden))
+    block_tokens = UNPERMUTE_TILE // block_cols
+    grid = (triton.cdiv(num_tokens, block_tokens), triton.cdiv(hidden, block_cols))
+    kernel = wrap_triton(_unpermute_and_reduce_kernel) if traced else _unpermute_and_reduce_kernel
+    kernel[grid](expert_out, inverse.contiguous(), topk_weights, out, num_tokens,
+                 expert_out.shape[0], hidden, topk_weights.stride(0), topk_weights.stride(1),
+                 TOP_K=top_k, BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols,
+                 RN_ASM=can_run_ptx(expert_out.device), num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def _unpermute_face(traced: bool):
+    def unpermute_and_reduce_op(expert_out: torch.Tensor, inverse: torch.Tensor,
+                                topk_weights: torch.Tensor) -> torch.Tensor:
+        """``moe_a2a::unpermute_and_reduce``: the permutation's ``inverse`` [T*k] int32 (P is
+        ``expert_out.shape[0]``) -> out [T, H]."""
+        check_unpermute_tensors(expert_out, inverse, topk_weights)
+        return _launch_unpermute(expert_out, inverse, topk_weights, traced)
+    return unpermute_and_reduce_op
+
+
+def _unpermute_torch(expert_out: torch.Tensor, inverse: torch.Tensor,
+                     topk_weights: torch.Tensor) -> torch.Tensor:
+    check_unpermute_tensors(expert_out, inverse, topk_weights)
+    return reference.reduce_slots(expert_out, inverse, topk_weights)
+
+
+def _unpermute_fake(expert_out, inverse, topk_weights):
+    return expert_out.new_empty((topk_weights.shape[0], expert_out.shape[1]))
+
+
+UNPERMUTE_AND_REDUCE = library.register(
+    "unpermute_and_reduce", triton=_unpermute_face(True), launch=_unpermute_face(False),
+    torch_face=_unpermute_torch, fake=_unpermute_fake)
+library.register_value_check("unpermute_and_reduce", check_inverse_values)
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
@@ -179,19 +299,9 @@ def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
     """
     check_unpermute_inputs(expert_out, permutation, topk_weights)
     if check_values:
-        check_unpermute_values(permutation)
-    num_tokens, top_k = topk_weights.shape
-    hidden = expert_out.shape[1]
-    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
-    if out.numel() == 0:
-        return out
-    expert_out = expert_out.contiguous()
-    block_cols = min(UNPERMUTE_BLOCK_COLS, triton.next_power_of_2(hidden))
-    block_tokens = UNPERMUTE_TILE // block_cols
-    grid = (triton.cdiv(num_tokens, block_tokens), triton.cdiv(hidden, block_cols))
-    _unpermute_and_reduce_kernel[grid](
-        expert_out, permutation.inverse.contiguous(), topk_weights, out, num_tokens,
-        expert_out.shape[0], hidden, topk_weights.stride(0), topk_weights.stride(1),
-        TOP_K=top_k, BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols, num_warps=4,
-        enable_fp_fusion=False)
-    return out
+        library.run_value_check("unpermute_and_reduce", [permutation.inverse],
+                                [permutation.source_rows.numel()])
+    inverse = permutation.inverse
+    if library.eager_bypass(expert_out, inverse, topk_weights):
+        return _launch_unpermute(expert_out, inverse, topk_weights, traced=False)
+    return UNPERMUTE_AND_REDUCE.triton(expert_out, inverse, topk_weights)

@@ -22,9 +22,12 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
+from kernels import library, reference
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
 from kernels.spec.tensors import check_expert_ids
+from kernels.spec.values import read_to_host
 from kernels.types import UNUSED, Permutation
 
 # UNUSED as a Triton constexpr: a kernel can read only constexpr globals.
@@ -63,6 +66,9 @@ class PermuteLaunch:
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
+        single_chunk: ids read per step (at least 32 per warp): every program reads all T*k
+            ids in steps of this many, so the tile does not depend on T (one compiled kernel
+            for every batch); the slices are sized for the form's most pairs.
     Three-pass form:
         block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
             pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
@@ -81,6 +87,7 @@ class PermuteLaunch:
     single_programs: int = 128
     single_warps: int = 4
     single_fill: int = 2048
+    single_chunk: int = 256
     block_pairs: int = 128
     scan_blocks: int = 512
     expert_chunk: int = 8
@@ -94,8 +101,12 @@ class PermuteLaunch:
                 raise ValueError(f"PermuteLaunch.form={self.form!r} must be one of {FORMS} or "
                                  f"None (the rule)")
             return self.form == "single"
-        bins = histogram_bins(num_local_experts)
-        return num_pairs * max(512, bins) <= self.single_max_pairs * 512
+        return num_pairs <= self.single_limit(num_local_experts)
+
+    def single_limit(self, num_local_experts: int) -> int:
+        """The most pairs the rule gives the one-launch form over ``num_local_experts``
+        (``single_max_pairs * 512 / max(512, bins)``)."""
+        return self.single_max_pairs * 512 // max(512, histogram_bins(num_local_experts))
 
 
 FORMS = ("single", "three_pass")
@@ -115,13 +126,15 @@ def histogram_bins(num_local_experts: int) -> int:
 # The one-launch form
 # =============================================================================================
 #
-# Program 0 loads all T*k ids, counts the owned pairs of each local expert (tl.histogram), scans
-# the padded counts and stores expert_counts, expert_offsets and the id range. Program g >= 1
-# places the slice of pairs [(g-1)*SLICE, g*SLICE): with key(q) = e_q * ALL_PAIRS + q for an
-# owned pair q of local expert e_q, the pairs before pair p in expert-major order are the owned
-# q with key(q) < key(p), so
+# Program 0 reads all T*k ids (CHUNK at a time), counts the owned pairs of each local expert
+# (tl.histogram), scans the padded counts and stores expert_counts, expert_offsets and the id
+# range. Program g >= 1 places the slice of pairs [(g-1)*SLICE, g*SLICE): with
+# key(q) = e_q * T*k + q for an owned pair q of local expert e_q, the pairs before pair p in
+# expert-major order are the owned q with key(q) < key(p), so
 #     place(p) = #{owned q : key(q) < key(p)} + padding(e_p),
-# one compare of the slice with all ids ([SLICE, ALL_PAIRS]), where padding(e) = the alignment
+# one compare of the slice with each chunk of ids ([SLICE, CHUNK]), summed over the chunks.
+# CHUNK and SLICE are static (from the launch config and the form's largest T*k), so one
+# compiled kernel serves every T, where padding(e) = the alignment
 # rows of the experts before e (0 with align = 1; else each such program also counts and scans
 # the ids). Every program then writes UNUSED into rows that are no pair's place, so that no two
 # programs write one entry: the padding [start(e) + count(e), start(e + 1)) of experts
@@ -138,44 +151,62 @@ def histogram_bins(num_local_experts: int) -> int:
 def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
                            expert_offsets_ptr, inverse_ptr, id_range_ptr, num_pairs, capacity,
                            first_expert, num_local_experts, align,
-                           ALL_PAIRS: tl.constexpr, SLICE: tl.constexpr, BINS: tl.constexpr,
+                           CHUNK: tl.constexpr, SLICE: tl.constexpr, BINS: tl.constexpr,
                            FILL_EXPERTS: tl.constexpr, ALIGN_TILE: tl.constexpr,
                            TAIL_BLOCK: tl.constexpr):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
-    # The slice is loaded first: its load overlaps the one of all ids.
+    # The slice is loaded first: its load overlaps the ones of all ids.
     mine = (program - 1) * SLICE + tl.arange(0, SLICE)
     mine_valid = (mine >= 0) & (mine < num_pairs)
     my_local = tl.load(topk_ids_ptr + mine, mask=mine_valid, other=0) - first_expert
     my_owned = mine_valid & (my_local >= 0) & (my_local < num_local_experts)
+    my_keys = my_local * num_pairs + mine
 
-    pairs = tl.arange(0, ALL_PAIRS)
-    valid = pairs < num_pairs
-    ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
-    local = ids - first_expert
-    owned = valid & (local >= 0) & (local < num_local_experts)
+    # All ids, CHUNK at a time (the tile is static: one compiled kernel for every T): program 0
+    # counts them (and every program, when the segments are padded) and takes their range;
+    # program g >= 1 counts the owned pairs before each of its own in expert-major order.
     bins = tl.arange(0, BINS)
-    if ALIGN_TILE > 0:  # align > 1: every program needs the padded segments
-        counts = tl.histogram(tl.where(owned, local, 0), BINS, mask=owned)      # [BINS]
+    counts = tl.zeros([BINS], tl.int32)
+    owned_total = tl.full([], 0, tl.int32)
+    place = tl.zeros([SLICE], tl.int32)
+    low = tl.full([], 0, tl.int32)      # (the range of the ids and 0, a valid id)
+    high = tl.full([], 0, tl.int32)
+    start = 0
+    while start < num_pairs:
+        pairs = start + tl.arange(0, CHUNK)
+        valid = pairs < num_pairs
+        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
+        local = ids - first_expert
+        owned = valid & (local >= 0) & (local < num_local_experts)
+        if ALIGN_TILE > 0:  # align > 1: every program needs the padded segments
+            counts += tl.histogram(tl.where(owned, local, 0), BINS, mask=owned)
+        else:
+            owned_total += tl.sum(owned.to(tl.int32), axis=0)
+        if program == 0:
+            if ALIGN_TILE == 0:
+                counts += tl.histogram(tl.where(owned, local, 0), BINS, mask=owned)
+            # (masked pairs read 0, a valid id: they move neither end of the range)
+            low = tl.minimum(low, tl.min(ids, axis=0))
+            high = tl.maximum(high, tl.max(ids, axis=0))
+        else:
+            keys = tl.where(owned, local * num_pairs + pairs, 2**30)  # unowned: after all
+            place += tl.sum((keys[None, :] < my_keys[:, None]).to(tl.int32), axis=1)
+        start += CHUNK
+    if ALIGN_TILE > 0:
         padded = (counts + align - 1) // align * align
         starts = tl.cumsum(padded, axis=0) - padded                # expert_offsets[:-1]
         used = tl.sum(padded, axis=0)                              # expert_offsets[-1]
     else:
-        used = tl.sum(owned.to(tl.int32), axis=0)
+        starts = tl.cumsum(counts, axis=0) - counts
+        used = owned_total
     if program == 0:
-        if ALIGN_TILE == 0:
-            counts = tl.histogram(tl.where(owned, local, 0), BINS, mask=owned)
-            starts = tl.cumsum(counts, axis=0) - counts
         tl.store(expert_counts_ptr + bins, counts, mask=bins < num_local_experts)
         tl.store(expert_offsets_ptr + bins, starts, mask=bins < num_local_experts)
         tl.store(expert_offsets_ptr + num_local_experts, used)
-        # (masked pairs read 0, a valid id: they move neither end of the range)
-        tl.store(id_range_ptr, tl.min(ids, axis=0))
-        tl.store(id_range_ptr + 1, tl.max(ids, axis=0))
+        tl.store(id_range_ptr, low)
+        tl.store(id_range_ptr + 1, high)
     else:
-        keys = tl.where(owned, local * ALL_PAIRS + pairs, 2**30)  # unowned: after all
-        my_keys = my_local * ALL_PAIRS + mine
-        place = tl.sum((keys[None, :] < my_keys[:, None]).to(tl.int32), axis=1)   # [SLICE]
         if ALIGN_TILE > 0:
             # the padding rows before each segment: start - owned pairs of earlier experts
             padding = starts - (tl.cumsum(counts, axis=0) - counts)
@@ -368,28 +399,31 @@ def _pieces(*sizes: int) -> list[int]:
 
 
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
-                   capacity, first_expert, num_local_experts, align, launch: PermuteLaunch):
+                   capacity, first_expert, num_local_experts, align, launch: PermuteLaunch,
+                   traced: bool):
     num_pairs = topk_ids.numel()
     warps = launch.single_warps
-    all_pairs = max(triton.next_power_of_2(num_pairs), 32 * warps)
-    if all_pairs * num_local_experts >= 2**30:
+    # at least one id per thread: no replicated layout under the histogram
+    chunk = max(launch.single_chunk, 32 * warps)
+    if num_pairs * num_local_experts >= 2**30:
         raise ValueError(f"T*k={num_pairs} pairs over E_local={num_local_experts} experts are too "
                          f"many for the one-launch form's int32 keys; use "
                          f"PermuteLaunch(form='three_pass') or the default rule")
-    slice_pairs = max(8, min(triton.next_power_of_2(triton.cdiv(num_pairs, launch.single_programs)),
-                             SINGLE_COMPARE_TILE // all_pairs))
-    programs = max(1 + triton.cdiv(num_pairs, slice_pairs),
-                   triton.cdiv(capacity, launch.single_fill))
+    # The slice from the most pairs the rule gives this form (static, not T*k).
+    most = launch.single_limit(num_local_experts)
+    slice_pairs = max(8, min(triton.next_power_of_2(triton.cdiv(most, launch.single_programs)),
+                             SINGLE_COMPARE_TILE // chunk))
+    programs = torch.sym_max(1 + triton.cdiv(num_pairs, slice_pairs),
+                             triton.cdiv(capacity, launch.single_fill))
     # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no
     # padding), FILL_EXPERTS experts of about 32 entries per thread.
     align_tile = min(triton.next_power_of_2(align - 1), 1024) if align > 1 else 0
     fill_experts = max(1, min(triton.next_power_of_2(num_local_experts),
                               32 * 32 * warps // max(align_tile, 1)))
-    _permute_single_kernel[(programs,)](
+    kernel = wrap_triton(_permute_single_kernel) if traced else _permute_single_kernel
+    kernel[(programs,)](
         topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range, num_pairs,
-        capacity, first_expert, num_local_experts, align,
-        # at least one id per thread: no replicated layout under the histogram
-        ALL_PAIRS=all_pairs, SLICE=slice_pairs,
+        capacity, first_expert, num_local_experts, align, CHUNK=chunk, SLICE=slice_pairs,
         BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
         ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, triton.next_power_of_2(launch.single_fill)),
         num_warps=warps)
@@ -397,7 +431,7 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
 
 def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
                        capacity, first_expert, num_local_experts, align,
-                       launch: PermuteLaunch):
+                       launch: PermuteLaunch, traced: bool):
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     block_pairs = launch.block_pairs
@@ -411,50 +445,112 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
 
     bins = histogram_bins(num_local_experts)
     fill_blocks = triton.cdiv(capacity, block_pairs)      # capacity >= num_pairs
+    count = wrap_triton(_count_block_experts_kernel) if traced else _count_block_experts_kernel
+    scan = wrap_triton(_scan_blocks_kernel) if traced else _scan_blocks_kernel
+    place = wrap_triton(_place_pairs_kernel) if traced else _place_pairs_kernel
     if fill_blocks > 0:
-        _count_block_experts_kernel[(fill_blocks,)](
+        count[(fill_blocks,)](
             topk_ids, block_counts, block_id_range, source_rows, num_pairs, num_blocks,
             capacity, first_expert, num_local_experts, BLOCK_PAIRS=block_pairs,
             EXPERT_BINS=bins, num_warps=4)
-    _scan_blocks_kernel[(triton.cdiv(num_local_experts, launch.expert_chunk),)](
+    scan[(triton.cdiv(num_local_experts, launch.expert_chunk),)](
         block_counts, block_starts, expert_counts, block_id_range, id_range, num_blocks,
         num_local_experts, SCAN_BLOCKS=launch.scan_blocks, EXPERT_CHUNK=launch.expert_chunk,
         num_warps=4)
     # At least one program, so that expert_offsets is written when there are no pairs.
-    _place_pairs_kernel[(max(num_blocks, 1),)](
+    place[(torch.sym_max(num_blocks, 1),)](
         topk_ids, block_starts, expert_counts, expert_offsets, source_rows, inverse, num_pairs,
         first_expert, num_local_experts, align, BLOCK_PAIRS=block_pairs,
         EXPERT_CHUNK=launch.expert_chunk, BINS=bins, RANK=launch.place_rank,
         num_warps=launch.place_warps)
 
 
-def _launch_permute(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
-                    num_local_experts: int, align: int, check_ids: bool,
-                    launch: PermuteLaunch) -> Permutation:
-    """The chosen form on checked arguments (everything but the id range): one allocation of
-    results (plus one of scratch for the three-pass form), one or three launches; with
-    ``check_ids`` one host read of the id range after the launches."""
+def _launch_permute(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
+                    align: int, launch: PermuteLaunch, traced: bool) -> tuple[torch.Tensor, ...]:
+    """The chosen form on checked, contiguous ``topk_ids``: (source_rows, expert_counts,
+    expert_offsets, inverse, id_range [2]), one or three launches, no host read. Eagerly
+    (``traced`` False) the five are views of one int32 allocation (one allocation costs less
+    host time than five); for the op (``traced``) five allocations, as an op's outputs may not
+    share storage."""
     num_pairs = topk_ids.numel()
     capacity = permutation_capacity(num_pairs, num_local_experts, align)
-    # Results and the id range [2]: views of one int32 allocation.
     sizes = (capacity, num_local_experts, num_local_experts + 1, num_pairs, 2)
-    padded = _pieces(*sizes)
-    results = torch.empty(sum(padded), dtype=torch.int32, device=topk_ids.device)
-    source_rows, expert_counts, expert_offsets, inverse, id_range = (
-        piece[:size] for piece, size in zip(torch.split(results, padded), sizes))
+    if traced:
+        outputs = tuple(torch.empty(size, dtype=torch.int32, device=topk_ids.device)
+                        for size in sizes)
+    else:
+        padded = _pieces(*sizes)
+        results = torch.empty(sum(padded), dtype=torch.int32, device=topk_ids.device)
+        outputs = tuple(piece[:size] for piece, size in zip(torch.split(results, padded), sizes))
     run = (_launch_single if launch.chooses_single(num_pairs, num_local_experts)
            else _launch_three_pass)
-    run(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range, capacity,
-        first_expert, num_local_experts, align, launch)
-    if check_ids:
-        low, high = id_range.tolist()                     # the one host sync
-        if low < 0 or high > num_experts:
-            # The shared check on the two extremes: the oracle's error, word for word.
-            check_expert_ids("topk_ids", torch.tensor([low, high], dtype=torch.int32),
-                             num_experts, allow_padding=True)
-    return Permutation(source_rows=source_rows, expert_counts=expert_counts,
-                       expert_offsets=expert_offsets, inverse=inverse,
-                       top_k=topk_ids.shape[1], align=align)
+    run(topk_ids, *outputs, capacity, first_expert, num_local_experts, align, launch, traced)
+    return outputs
+
+
+def check_id_range(id_range: torch.Tensor, num_experts: int) -> None:
+    """The device-read check of ``permute_by_expert`` (its ``check_ids``; one host read): the
+    kernels' ``id_range`` [2] (low, high; 0 is in the range) holds no id outside
+    ``[0, num_experts]``; raises the oracle's ValueError."""
+    low, high = (int(v) for v in read_to_host([id_range]))
+    if low < 0 or high > num_experts:
+        # The shared check on the two extremes: the oracle's error, word for word.
+        check_expert_ids("topk_ids", torch.tensor([low, high], dtype=torch.int32),
+                         num_experts, allow_padding=True)
+
+
+def _check_permute(topk_ids, num_experts, first_expert, num_local_experts, align):
+    return check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts, align,
+                                check_ids=False)
+
+
+def _permute_face(traced: bool):
+    def permute_by_expert_op(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
+                             num_local_experts: int, align: int, form: Optional[str],
+                             single_max_pairs: int, single_programs: int, single_warps: int,
+                             single_fill: int, single_chunk: int, block_pairs: int,
+                             scan_blocks: int, expert_chunk: int, place_warps: int,
+                             place_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor]:
+        """``moe_a2a::permute_by_expert``: the arguments (E_local given), then the fields of
+        :class:`PermuteLaunch` -> (source_rows [P], expert_counts [E_local], expert_offsets
+        [E_local + 1], inverse [T*k], id_range [2]) int32."""
+        _check_permute(topk_ids, num_experts, first_expert, num_local_experts, align)
+        launch = PermuteLaunch(form, single_max_pairs, single_programs, single_warps,
+                               single_fill, single_chunk, block_pairs, scan_blocks,
+                               expert_chunk, place_warps, place_rank)
+        return _launch_permute(topk_ids.contiguous(), first_expert, num_local_experts, align,
+                               launch, traced)
+    library.check_config_parameters(permute_by_expert_op, PermuteLaunch)
+    return permute_by_expert_op
+
+
+def _permute_torch(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
+                   num_local_experts: int, align: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor]:
+    perm = reference.permute_by_expert(topk_ids, num_experts, first_expert=first_expert,
+                                       num_local_experts=num_local_experts, align=align,
+                                       check_ids=False)
+    zero = torch.zeros((), dtype=torch.int32, device=topk_ids.device)
+    ids = topk_ids.reshape(-1)
+    low = torch.minimum(ids.min(), zero) if ids.numel() else zero
+    high = torch.maximum(ids.max(), zero) if ids.numel() else zero
+    return (perm.source_rows, perm.expert_counts, perm.expert_offsets, perm.inverse,
+            torch.stack((low, high)))
+
+
+def _permute_fake(topk_ids, num_experts, first_expert, num_local_experts, align, *launch):
+    num_pairs = topk_ids.numel()
+    capacity = permutation_capacity(num_pairs, num_local_experts, align)
+    return tuple(topk_ids.new_empty(size) for size in (
+        capacity, num_local_experts, num_local_experts + 1, num_pairs, 2))
+
+
+PERMUTE_BY_EXPERT = library.register("permute_by_expert", triton=_permute_face(True),
+                                     launch=_permute_face(False), torch_face=_permute_torch,
+                                     fake=_permute_fake)
+library.register_value_check("permute_by_expert", check_id_range)
 
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
@@ -481,10 +577,20 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     Returns:
         :class:`Permutation`: ``source_rows [P]``, ``expert_counts [E_local]``,
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, int32 on ``topk_ids``' device,
-        ``P = T*k + E_local*(align - 1)``. The four are views of one allocation.
+        ``P = T*k + E_local*(align - 1)``. Eagerly the four are views of one allocation.
+        Runs the registered op ``moe_a2a::permute_by_expert.triton`` (directly in eager mode:
+        ``kernels.library``).
     """
-    num_local = check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts,
-                                     align, check_ids=False)
-    topk_ids = topk_ids.contiguous()  # any strides, as on every face
-    return _launch_permute(topk_ids, num_experts, first_expert, num_local, align, check_ids,
-                           launch)
+    num_local = _check_permute(topk_ids, num_experts, first_expert, num_local_experts, align)
+    if library.eager_bypass(topk_ids):
+        outputs = _launch_permute(topk_ids.contiguous(), first_expert, num_local, align, launch,
+                                  traced=False)
+    else:
+        outputs = PERMUTE_BY_EXPERT.triton(topk_ids, num_experts, first_expert, num_local,
+                                           align, *library.config_fields(launch))
+    source_rows, expert_counts, expert_offsets, inverse, id_range = outputs
+    if check_ids:
+        library.run_value_check("permute_by_expert", [id_range], [num_experts])
+    return Permutation(source_rows=source_rows, expert_counts=expert_counts,
+                       expert_offsets=expert_offsets, inverse=inverse,
+                       top_k=topk_ids.shape[1], align=align)

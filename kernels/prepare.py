@@ -41,9 +41,12 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
+from kernels import library, reference
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_expert_ids
+from kernels.spec.values import read_to_host
 from kernels.types import UNUSED, LocalSendPlan
 
 # The UNUSED marker as a compile-time constant (a jit function reads only constexpr globals).
@@ -54,21 +57,17 @@ NO_BAD_ID = tl.constexpr(NO_BAD_POSITION)
 
 
 @triton.jit
-def _first_slot_on_rank(topk_ids_ptr, tokens, token_mask, ranks, ep_size, slots_per_rank,
-                        num_slots, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                        R_PAD: tl.constexpr):
-    """[BLOCK_T, R_PAD] int32: the first slot j of each token whose id lives on each rank;
-    TOP_K where none does (padding and out-of-range ids, masked tokens and ranks >= ep_size
-    never match)."""
-    first = tl.full((BLOCK_T, R_PAD), TOP_K, tl.int32)
-    rank_ok = ranks < ep_size
-    for j in tl.static_range(TOP_K):
-        ids = tl.load(topk_ids_ptr + tokens * TOP_K + j, mask=token_mask, other=num_slots)
-        # == ep_size for the padding id S; ids < 0 (C division truncates -1 // n to 0) go nowhere
-        owner = tl.where(ids >= 0, ids // slots_per_rank, ep_size)
-        match = (owner[:, None] == ranks[None, :]) & rank_ok[None, :] & (first == TOP_K)
-        first = tl.where(match, j, first)
-    return first
+def _first_slot_step(first, ids, slot, ranks, ep_size, slots_per_rank, TOP_K: tl.constexpr):
+    """One slot of the first-slot tile ([BLOCK_T, R_PAD] int32: the first slot j of each token
+    whose id lives on each rank; TOP_K where none does): ``first`` updated with slot ``slot``,
+    whose ids [BLOCK_T] the kernel loaded (padding and out-of-range ids, masked tokens and ranks
+    >= ep_size never match). The kernels load the ids themselves and pass the values: a helper
+    given the ids' pointer, whose result feeds a store address, would make Inductor's mutation
+    analysis count topk_ids as written."""
+    # == ep_size for the padding id S; ids < 0 (C division truncates -1 // n to 0) go nowhere
+    owner = tl.where(ids >= 0, ids // slots_per_rank, ep_size)
+    match = (owner[:, None] == ranks[None, :]) & (ranks < ep_size)[None, :] & (first == TOP_K)
+    return tl.where(match, slot, first)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -81,8 +80,11 @@ def _count_kernel(topk_ids_ptr, scratch_ptr, num_tokens, ep_size, slots_per_rank
     block = tl.program_id(0)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     ranks = tl.arange(0, R_PAD)
-    first = _first_slot_on_rank(topk_ids_ptr, tokens, tokens < num_tokens, ranks, ep_size,
-                                slots_per_rank, num_slots, TOP_K, BLOCK_T, R_PAD)
+    first = tl.full((BLOCK_T, R_PAD), TOP_K, tl.int32)
+    for j in tl.static_range(TOP_K):
+        ids = tl.load(topk_ids_ptr + tokens * TOP_K + j, mask=tokens < num_tokens,
+                      other=num_slots)
+        first = _first_slot_step(first, ids, j, ranks, ep_size, slots_per_rank, TOP_K)
     counts = tl.sum((first < TOP_K).to(tl.int32), axis=0)
     tl.store(scratch_ptr + block * ep_size + ranks, counts, mask=ranks < ep_size)
 
@@ -127,8 +129,11 @@ def _index_kernel(topk_ids_ptr, scratch_ptr, send_counts_ptr, send_cumsum_ptr,
 
     if block < num_blocks:  # programs past num_blocks only fill the tail and the histogram
         tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        first = _first_slot_on_rank(topk_ids_ptr, tokens, tokens < num_tokens, ranks, ep_size,
-                                    slots_per_rank, num_slots, TOP_K, BLOCK_T, R_PAD)
+        first = tl.full((BLOCK_T, R_PAD), TOP_K, tl.int32)
+        for j in tl.static_range(TOP_K):
+            ids = tl.load(topk_ids_ptr + tokens * TOP_K + j, mask=tokens < num_tokens,
+                          other=num_slots)
+            first = _first_slot_step(first, ids, j, ranks, ep_size, slots_per_rank, TOP_K)
         hit = (first < TOP_K).to(tl.int32)
         position = rank_start[None, :] + before[None, :] + tl.cumsum(hit, axis=0) - hit
         token_grid = tokens[:, None] + 0 * ranks[None, :]
@@ -201,6 +206,13 @@ def carve(sizes) -> tuple[tuple[int, ...], int]:
     return tuple(pieces), sum(pieces)
 
 
+def static_config(max_tokens, ep_size: int, top_k, slots: int) -> PlanConfig:
+    """:func:`plan_config` of values that may be traced sizes (``torch.SymInt``, e.g. k while
+    an op is traced with every size dynamic): each is specialized to its int first (the
+    configuration is static by design; a traced graph then guards on it)."""
+    return plan_config(int(max_tokens), int(ep_size), int(top_k), int(slots))
+
+
 @functools.lru_cache(maxsize=64)
 def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanConfig:
     """The launch constants of ``local_send_plan`` for N, R, k, S (cached: pure function)."""
@@ -225,36 +237,69 @@ def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanCo
         pieces=pieces)
 
 
+def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Tensor,
+                  ep_size: int, max_tokens: int, slots: int, traced: bool) -> None:
+    """The two launches into ``plan``'s tensors and ``scratch`` (contiguous, validated
+    ``topk_ids``); ``traced``: through ``wrap_triton`` (the op's body), else the kernels."""
+    num_tokens, top_k = topk_ids.shape
+    cfg = static_config(max_tokens, ep_size, top_k, slots)
+    num_blocks = torch.sym_max(1, triton.cdiv(num_tokens, cfg.block_t))
+    slots_per_rank = slots // ep_size
+    count = wrap_triton(_count_kernel) if traced else _count_kernel
+    index = wrap_triton(_index_kernel) if traced else _index_kernel
+    count[(num_blocks,)](
+        topk_ids, scratch, num_tokens, ep_size, slots_per_rank, slots, cfg.hist_offset,
+        cfg.bad_offset, TOP_K=top_k, BLOCK_T=cfg.block_t, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad,
+        FLAT=cfg.flat, num_warps=NUM_WARPS)
+    index[(cfg.index_programs,)](
+        topk_ids, scratch, plan.send_counts, plan.send_rank_count_cumsum,
+        plan.send_rank_local_indices, plan.backward_recv_rank_local_indices,
+        plan.expert_counts, num_tokens, num_blocks, ep_size, slots_per_rank, slots,
+        max_tokens * ep_size, cfg.hist_offset, cfg.bad_offset, cfg.error_offset, TOP_K=top_k,
+        BLOCK_T=cfg.block_t, R_PAD=cfg.r_pad, NB_PAD=cfg.nb_pad, BINS=cfg.bins,
+        TAIL_BLOCK=TAIL_BLOCK, TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS)
+
+
 def launch_local_plan(topk_ids: torch.Tensor, ep_size: int, max_tokens: int,
                       slots: int) -> tuple[LocalSendPlan, torch.Tensor]:
-    """The two launches, on already validated inputs (no host sync).
+    """The two launches, on already validated inputs (no host sync); the plan's tensors and the
+    scratch are views of one int32 allocation.
 
     Returns the plan and the int32 scratch whose word ``plan_config(...).error_offset`` holds
     the flat position of the first id outside ``[0, S]`` (``NO_BAD_POSITION`` if none); read it
     with :func:`raise_on_bad_ids`.
     """
-    num_tokens, top_k = topk_ids.shape
-    cfg = plan_config(max_tokens, ep_size, top_k, slots)
-    device = topk_ids.device
-    num_blocks = max(1, triton.cdiv(num_tokens, cfg.block_t))
-    buffer = torch.empty(sum(cfg.pieces), dtype=torch.int32, device=device)
+    cfg = plan_config(max_tokens, ep_size, topk_ids.shape[1], slots)
+    buffer = torch.empty(sum(cfg.pieces), dtype=torch.int32, device=topk_ids.device)
     send_counts, _, send_cumsum, _, send_indices, _, backward, _, expert_counts, _, scratch, _ \
         = buffer.split(cfg.pieces)
-    slots_per_rank = slots // ep_size
-    _count_kernel[(num_blocks,)](
-        topk_ids, scratch, num_tokens, ep_size, slots_per_rank, slots, cfg.hist_offset,
-        cfg.bad_offset, TOP_K=top_k, BLOCK_T=cfg.block_t, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad,
-        FLAT=cfg.flat, num_warps=NUM_WARPS)
-    _index_kernel[(cfg.index_programs,)](
-        topk_ids, scratch, send_counts, send_cumsum, send_indices, backward, expert_counts,
-        num_tokens, num_blocks, ep_size, slots_per_rank, slots, max_tokens * ep_size,
-        cfg.hist_offset, cfg.bad_offset, cfg.error_offset, TOP_K=top_k, BLOCK_T=cfg.block_t,
-        R_PAD=cfg.r_pad, NB_PAD=cfg.nb_pad, BINS=cfg.bins, TAIL_BLOCK=TAIL_BLOCK,
-        TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS)
     plan = LocalSendPlan(send_counts=send_counts, send_rank_count_cumsum=send_cumsum,
                          send_rank_local_indices=send_indices,
                          backward_recv_rank_local_indices=backward, expert_counts=expert_counts)
+    _plan_kernels(topk_ids, plan, scratch, ep_size, max_tokens, slots, traced=False)
     return plan, scratch
+
+
+def _plan_sizes(max_tokens: int, ep_size: int, slots: int) -> tuple[int, ...]:
+    """The sizes of the plan's five tensors (LocalSendPlan's field order)."""
+    return (ep_size, ep_size, max_tokens * ep_size, max_tokens * ep_size, slots)
+
+
+def _error_word(scratch: torch.Tensor, cfg: PlanConfig) -> torch.Tensor:
+    """The range check's word of ``scratch`` as a [1] view."""
+    return scratch[cfg.error_offset:cfg.error_offset + 1]
+
+
+def check_plan_ids(topk_ids: torch.Tensor, error: torch.Tensor, slots: int) -> None:
+    """The device-read check of ``local_send_plan`` (its ``check_ids``; one host read): the
+    kernels' range-check word ``error`` [1] (the flat position of the first id outside
+    ``[0, S]``, ``NO_BAD_POSITION`` if none); raises ValueError naming that id."""
+    position = int(read_to_host([error])[0])
+    if position != NO_BAD_POSITION:
+        check_expert_ids("topk_ids", topk_ids, slots, allow_padding=True)  # names the id
+        bad = int(topk_ids.reshape(-1)[position])
+        raise ValueError(f"topk_ids holds expert id {bad} outside [0, {slots}] ({slots} = "
+                         f"padding) at flat position {position}")
 
 
 def raise_on_bad_ids(topk_ids: torch.Tensor, scratch: torch.Tensor, ep_size: int,
@@ -262,12 +307,67 @@ def raise_on_bad_ids(topk_ids: torch.Tensor, scratch: torch.Tensor, ep_size: int
     """Read the device-side range check of :func:`launch_local_plan` (one host sync) and raise
     ValueError naming an id outside ``[0, S]`` if there is one."""
     cfg = plan_config(max_tokens, ep_size, topk_ids.shape[1], slots)
-    position = int(scratch[cfg.error_offset])
-    if position != NO_BAD_POSITION:
-        check_expert_ids("topk_ids", topk_ids, slots, allow_padding=True)  # names the id
-        bad = int(topk_ids.view(-1)[position])
-        raise ValueError(f"topk_ids holds expert id {bad} outside [0, {slots}] ({slots} = "
-                         f"padding) at flat position {position}")
+    check_plan_ids(topk_ids, _error_word(scratch, cfg), slots)
+
+
+def _check_plan(topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count):
+    """The shared checks; returns (N, S)."""
+    _, _, max_tokens, slots = check_prepare_inputs(
+        topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
+    return max_tokens, slots
+
+
+def _plan_face(traced: bool):
+    def local_send_plan_op(topk_ids: torch.Tensor, num_experts: int, ep_size: int,
+                           max_tokens_per_rank: int, slot_count: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
+        """``moe_a2a::local_send_plan`` (N and S given) -> the LocalSendPlan's five tensors in
+        field order, then the range-check word [1] int32 (``check_plan_ids``)."""
+        max_tokens, slots = _check_plan(topk_ids, num_experts, ep_size, max_tokens_per_rank,
+                                        slot_count)
+        topk_ids = topk_ids.contiguous()  # the kernels read flat positions token * k + j
+        cfg = static_config(max_tokens, ep_size, topk_ids.shape[1], slots)
+        # separate allocations: an op's outputs may not share storage
+        plan = LocalSendPlan(*(torch.empty(size, dtype=torch.int32, device=topk_ids.device)
+                               for size in _plan_sizes(max_tokens, ep_size, slots)))
+        scratch = torch.empty(cfg.error_offset + 1, dtype=torch.int32, device=topk_ids.device)
+        _plan_kernels(topk_ids, plan, scratch, ep_size, max_tokens, slots, traced)
+        return (*plan.tensors().values(), _error_word(scratch, cfg))
+    return local_send_plan_op
+
+
+def _plan_torch(topk_ids: torch.Tensor, num_experts: int, ep_size: int,
+                max_tokens_per_rank: int, slot_count: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor]:
+    plan = reference.local_send_plan(topk_ids, num_experts, ep_size,
+                                     max_tokens_per_rank=max_tokens_per_rank,
+                                     slot_count=slot_count, check_ids=False)
+    flat = topk_ids.reshape(-1)
+    bad = (flat < 0) | (flat > slot_count)
+    positions = torch.arange(flat.numel(), dtype=torch.int32, device=flat.device)
+    first_bad = torch.where(bad, positions, NO_BAD_POSITION).min() if flat.numel() else None
+    # the word at the op's offset of its scratch (the fake's layout)
+    cfg = static_config(max_tokens_per_rank, ep_size, topk_ids.shape[1], slot_count)
+    error = _error_word(torch.full((cfg.error_offset + 1,), NO_BAD_POSITION, dtype=torch.int32,
+                                   device=topk_ids.device), cfg)
+    if first_bad is not None:
+        error.copy_(first_bad.reshape(1))
+    return (*plan.tensors().values(), error)
+
+
+def _plan_fake(topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count):
+    cfg = static_config(max_tokens_per_rank, ep_size, topk_ids.shape[1], slot_count)
+    sizes = _plan_sizes(max_tokens_per_rank, ep_size, slot_count)
+    return (*(topk_ids.new_empty(size) for size in sizes),
+            _error_word(topk_ids.new_empty(cfg.error_offset + 1), cfg))
+
+
+LOCAL_SEND_PLAN = library.register("local_send_plan", triton=_plan_face(True),
+                                   launch=_plan_face(False), torch_face=_plan_torch,
+                                   fake=_plan_fake)
+library.register_value_check("local_send_plan", check_plan_ids)
 
 
 def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
@@ -280,7 +380,8 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
     num_experts:         E, the number of distinct experts.
     ep_size:             R, the number of ranks; S must be a multiple of R.
     max_tokens_per_rank: N >= T, sizes the index buffers ([N*R]) and picks the compiled
-                         variant (one per N, R, k, S; T only sizes the grid); default T.
+                         variant (one per N, R, k, S; T only sizes the grid); default T (pass
+                         it under ``torch.compile`` with a dynamic T: it must be an int).
     slot_count:          S >= E (E plus redundant expert copies); default E.
     check_ids:           True: read the kernels' device-side range check after the launch (one
                          host sync) and raise ValueError naming an id outside ``[0, S]``.
@@ -288,12 +389,20 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
                          outside ``[0, S]`` are then treated as padding.
     Returns a :class:`LocalSendPlan` equal field for field to the reference's: ascending token
     ids per destination segment, ``token*k + first slot`` backward indices, UNUSED tails,
-    ``expert_counts [S]``. Two launches, no host sync when ``check_ids=False``.
+    ``expert_counts [S]``. Two launches, no host sync when ``check_ids=False``. Runs the
+    registered op ``moe_a2a::local_send_plan.triton`` (directly in eager mode:
+    ``kernels.library``).
     """
-    _, _, max_tokens, slots = check_prepare_inputs(
-        topk_ids, num_experts, ep_size, max_tokens_per_rank, slot_count, check_ids=False)
-    topk_ids = topk_ids.contiguous()  # the kernels read flat positions token * k + j
-    plan, scratch = launch_local_plan(topk_ids, ep_size, max_tokens, slots)
+    max_tokens, slots = _check_plan(topk_ids, num_experts, ep_size, max_tokens_per_rank,
+                                    slot_count)
+    if library.eager_bypass(topk_ids):
+        topk_ids = topk_ids.contiguous()  # the kernels read flat positions token * k + j
+        plan, scratch = launch_local_plan(topk_ids, ep_size, max_tokens, slots)
+        error = _error_word(scratch, plan_config(max_tokens, ep_size, topk_ids.shape[1], slots))
+    else:
+        *fields, error = LOCAL_SEND_PLAN.triton(topk_ids, num_experts, ep_size, max_tokens,
+                                                slots)
+        plan = LocalSendPlan(*fields)
     if check_ids:
-        raise_on_bad_ids(topk_ids, scratch, ep_size, max_tokens, slots)
+        library.run_value_check("local_send_plan", [topk_ids, error], [slots])
     return plan

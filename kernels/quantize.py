@@ -9,8 +9,10 @@ launch rules and the launchers.
 Launch rule (fixed, no autotune; ``python -m bench.tune`` times the alternatives, passing them
 as launch configs): a program quantizes a tile of ``BLOCK_ROWS`` rows by ``BLOCKS`` scale
 blocks, about ``tile_elements`` elements with up to ``num_warps`` warps (one scale block per
-thread at most), smaller for small M (:func:`tile_shape`); an NVFP4 program then walks up to
-``steps`` tiles along its rows, loading ``prefetch`` tiles ahead (:func:`nvfp4_steps`). The
+thread at most); an NVFP4 program walks up to ``steps`` tiles along its rows, loading
+``prefetch`` tiles ahead. Two buckets of M (:func:`tile_shape`, :func:`nvfp4_tile_shape`): that
+tile where its grid has 2 programs per SM, else one row (and one tile) per program; so a
+compiled caller with a dynamic M gets at most two compiled kernels per op, whatever M. The
 grid covers rows x blocks, padded to the swizzled tile, so that the same programs write the zero
 padding of the scales. The packed NVFP4 values are stored with L2 eviction priority
 ``store_policy`` ("evict_last"), a hint to keep them in L2 for the op that reads them next (a
@@ -25,8 +27,9 @@ from typing import Optional
 
 import torch
 import triton
+from torch.library import wrap_triton
 
-from kernels import hardware
+from kernels import hardware, library, reference
 from kernels.quantize_details.mx import dequantize_kernel, mx_quantize_kernel
 from kernels.quantize_details.nvfp4 import nvfp4_quantize_kernel
 from kernels.quantize_details.scales import (amax_partial_kernel, global_scale_finish_kernel,
@@ -128,31 +131,44 @@ def nvfp4_word_asm(device: torch.device, in_kind: int, fast_math: bool,
             and (stride_row is None or stride_row % 16 == 0))
 
 
+def fills_device(programs: int, device: torch.device, launch) -> bool:
+    """Whether a grid of ``programs`` has 2 programs per SM (the launch config's SM count)."""
+    return programs >= 2 * launch.sms(device)
+
+
 def tile_shape(num_rows: int, num_blocks: int, block: int, device: torch.device,
                launch) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCKS, num_warps) for ``num_rows`` rows of ``num_blocks`` blocks: the
-    launch config's tile, then, for small M, fewer rows per program until the grid has 2
-    programs per SM (one big tile per SM would leave the latency of its serial work), warps
-    shrunk with the tile."""
+    """(BLOCK_ROWS, BLOCKS, num_warps) for ``num_rows`` rows of ``num_blocks`` blocks, in two
+    buckets: the launch config's tile when its grid has 2 programs per SM; else (small M) one
+    row per program, so that many programs share the few rows (one big tile per SM would
+    leave the latency of its serial work), warps shrunk with the tile (one scale block per
+    thread at most). The columns come from H alone and the choice is one comparison on M, so a
+    traced M gets one compiled kernel per bucket, not one per M."""
     blocks = min(launch.max_blocks, triton.next_power_of_2(max(num_blocks, 1)))
     block_rows = max(1, launch.tile_elements // (blocks * block))
-    while (block_rows > 1 and triton.cdiv(num_rows, block_rows) * triton.cdiv(num_blocks, blocks)
-           < 2 * launch.sms(device)):
-        block_rows //= 2
-    # smaller tiles (small M) get fewer warps: one scale block per thread at most
+    if block_rows > 1 and not fills_device(
+            triton.cdiv(num_rows, block_rows) * triton.cdiv(num_blocks, blocks), device, launch):
+        block_rows = 1
     warps = max(1, min(launch.num_warps, block_rows * blocks // 32))
     return block_rows, blocks, warps
 
 
-def nvfp4_steps(row_tiles: int, col_tiles: int, device: torch.device,
-                launch: NVFP4Launch) -> int:
-    """Tiles per NVFP4 program along its rows: up to ``launch.steps``, fewer while the grid
-    would have less than 2 programs per SM, then evened out (7 tiles in 2 programs: 4 + 3, not
-    5 + 2)."""
+def nvfp4_tile_shape(num_rows: int, num_blocks: int, device: torch.device,
+                     launch: NVFP4Launch) -> tuple[int, int, int, int]:
+    """(BLOCK_ROWS, BLOCKS, num_warps, STEPS) of ``quantize_nvfp4``, in two buckets like
+    :func:`tile_shape`: the config's tile with up to ``steps`` tiles per program along its rows
+    (evened out: 7 tiles in 2 programs are 4 + 3, not 5 + 2) when that grid has 2 programs per
+    SM; else one row and one tile per program."""
+    blocks = min(launch.max_blocks, triton.next_power_of_2(max(num_blocks, 1)))
+    block_rows = max(1, launch.tile_elements // (blocks * NVFP4_BLOCK))
+    col_tiles = triton.cdiv(num_blocks, blocks)
     steps = max(1, min(launch.steps, col_tiles))
-    while steps > 1 and row_tiles * triton.cdiv(col_tiles, steps) < 2 * launch.sms(device):
-        steps -= 1
-    return triton.cdiv(col_tiles, triton.cdiv(col_tiles, steps)) if col_tiles else 1
+    steps = triton.cdiv(col_tiles, triton.cdiv(col_tiles, steps)) if col_tiles else 1
+    if (block_rows > 1 or steps > 1) and not fills_device(
+            triton.cdiv(num_rows, block_rows) * triton.cdiv(col_tiles, steps), device, launch):
+        block_rows, steps = 1, 1
+    warps = max(1, min(launch.num_warps, block_rows * blocks // 32))
+    return block_rows, blocks, warps, steps
 
 
 def _register_cap(maxnreg: Optional[int]) -> dict:
@@ -161,8 +177,58 @@ def _register_cap(maxnreg: Optional[int]) -> dict:
 
 
 # =============================================================================================
-# Launchers
+# Launchers. Each op: ``_launch_<op>`` (checked arguments; ``traced`` launches through
+# ``wrap_triton``, the registered op's body, else the kernels themselves, the eager path), the
+# op's two faces and fake (``kernels.library``), and the public function.
 # =============================================================================================
+
+def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> torch.Tensor:
+    """Every size that is a constexpr or sizes a buffer comes from H, the SM count and the
+    config; M only sets the grid (``torch.sym_min``: no branch on M) and the loop count."""
+    num_rows, hidden = x.shape
+    out = torch.empty(1, dtype=torch.float32, device=x.device)
+    cols = min(launch.tile_cols, triton.next_power_of_2(max(hidden, 1)))
+    block_rows = max(launch.tile_rows, launch.tile_rows * launch.tile_cols // cols)
+    num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
+    most = max(1, launch.programs_per_sm * launch.sms(x.device))  # the grid's capacity
+    num_programs = torch.sym_min(num_tiles, most)
+    partial = torch.empty(most, dtype=torch.float32, device=x.device)
+    amax = wrap_triton(amax_partial_kernel) if traced else amax_partial_kernel
+    finish = wrap_triton(global_scale_finish_kernel) if traced else global_scale_finish_kernel
+    if x.numel():
+        amax[(num_programs,)](x, partial, num_rows, hidden, x.stride(0), x.stride(1),
+                              triton.cdiv(num_tiles, num_programs), BLOCK_ROWS=block_rows,
+                              COLS=cols, num_warps=launch.num_warps)
+    finish[(1,)](partial, out, num_programs if x.numel() else 0,
+                 BLOCK=min(launch.finish_block, triton.next_power_of_2(most)), num_warps=4)
+    return out
+
+
+def _global_scale_face(traced: bool):
+    def nvfp4_global_scale_op(x: torch.Tensor, ptx: Optional[bool], num_sms: Optional[int],
+                              tile_cols: int, tile_rows: int, num_warps: int,
+                              programs_per_sm: int, finish_block: int) -> torch.Tensor:
+        """``moe_a2a::nvfp4_global_scale``: x, then the fields of :class:`AmaxLaunch`."""
+        check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
+        launch = AmaxLaunch(ptx, num_sms, tile_cols, tile_rows, num_warps, programs_per_sm,
+                            finish_block)
+        return _launch_global_scale(x, launch, traced)
+    library.check_config_parameters(nvfp4_global_scale_op, AmaxLaunch)
+    return nvfp4_global_scale_op
+
+
+def _global_scale_torch(x: torch.Tensor) -> torch.Tensor:
+    return reference.nvfp4_global_scale(x)
+
+
+def _global_scale_fake(x, *launch_fields):
+    return x.new_empty(1, dtype=torch.float32)
+
+
+NVFP4_GLOBAL_SCALE = library.register(
+    "nvfp4_global_scale", triton=_global_scale_face(True), launch=_global_scale_face(False),
+    torch_face=_global_scale_torch, fake=_global_scale_fake)
+
 
 def nvfp4_global_scale(x: torch.Tensor, *, launch: AmaxLaunch = DEFAULT_AMAX) -> torch.Tensor:
     """NVFP4 global encode scale ``448 * 6 / amax(x)``: [1] fp32, 1.0 when amax(x) == 0; a NaN
@@ -170,25 +236,134 @@ def nvfp4_global_scale(x: torch.Tensor, *, launch: AmaxLaunch = DEFAULT_AMAX) ->
 
     x: [M, H] bf16/fp16/fp32 (any strides). One read of x by a persistent grid, then one
     single-program reduction; the division is IEEE. Deterministic (max is order-independent).
+    Runs the registered op ``moe_a2a::nvfp4_global_scale.triton`` (directly in eager mode).
     """
     check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
-    num_rows, hidden = x.shape
-    out = torch.empty(1, dtype=torch.float32, device=x.device)
-    cols = min(launch.tile_cols, triton.next_power_of_2(max(hidden, 1)))
-    block_rows = max(launch.tile_rows, launch.tile_rows * launch.tile_cols // cols)
-    num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
-    num_programs = min(num_tiles, launch.programs_per_sm * launch.sms(x.device))
-    partial = torch.empty(max(num_programs, 1), dtype=torch.float32, device=x.device)
-    if num_programs:
-        amax_partial_kernel[(num_programs,)](x, partial, num_rows, hidden, x.stride(0),
-                                             x.stride(1), triton.cdiv(num_tiles, num_programs),
-                                             BLOCK_ROWS=block_rows, COLS=cols,
-                                             num_warps=launch.num_warps)
-    global_scale_finish_kernel[(1,)](partial, out, num_programs,
-                                     BLOCK=min(launch.finish_block,
-                                               triton.next_power_of_2(max(num_programs, 1))),
-                                     num_warps=4)
-    return out
+    if library.eager_bypass(x):
+        return _launch_global_scale(x, launch, traced=False)
+    return NVFP4_GLOBAL_SCALE.triton(x, *library.config_fields(launch))
+
+
+def _check_nvfp4(x, global_scale, layout, fast_math, out, out_scales, rows, launch):
+    """The shared checks and the fast-math device rule; returns (M', Mp, Kp)."""
+    shape = check_quantize_nvfp4_args(x, global_scale, layout, out, out_scales, rows)
+    if fast_math and not launch.runs_ptx(x.device):
+        raise NotImplementedError(
+            "fast_math=True needs the GPU instruction rcp.approx.ftz.f32 (inline PTX), which "
+            "Triton's interpreter cannot run; use fast_math=False, or a CUDA tensor")
+    return shape
+
+
+def _nvfp4_shapes(x, layout, rows):
+    """((M', H/2), (Mp, Kp)): the packed codes' and the scales' shapes."""
+    num_rows = x.shape[0] if rows is None else rows.shape[0]
+    return ((num_rows, x.shape[1] // 2),
+            swizzled_scale_shape(num_rows, x.shape[1] // NVFP4_BLOCK, layout))
+
+
+def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
+                  launch: NVFP4Launch, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantize launch on checked arguments; ``out`` / ``out_scales`` None: allocated.
+    ``traced`` (the registered op's body, which Inductor compiles) stores the block scales by
+    ``tl.store``, which Inductor's mutation analysis follows; the eager path keeps the inline
+    PTX store on a GPU (``quantize_tile``). The same bits either way."""
+    packed_shape, scale_shape = _nvfp4_shapes(x, layout, rows)
+    num_rows = packed_shape[0]
+    padded_rows, padded_blocks = scale_shape
+    if rows is not None:
+        rows = rows.contiguous()
+    num_src_rows, hidden = x.shape
+    if out is None:
+        out = torch.empty(packed_shape, dtype=torch.uint8, device=x.device)
+    if out_scales is None:
+        out_scales = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
+    block_rows, blocks, warps, steps = nvfp4_tile_shape(padded_rows, padded_blocks, x.device,
+                                                        launch)
+    grid = (triton.cdiv(padded_rows, block_rows),
+            triton.cdiv(triton.cdiv(padded_blocks, blocks), steps))
+    if padded_rows == 0 or padded_blocks == 0:
+        return out, out_scales
+    words, stride_row, in_kind = as_pairs(x)
+    word_asm = nvfp4_word_asm(x.device, in_kind, fast_math, stride_row, launch)
+    kernel = wrap_triton(nvfp4_quantize_kernel) if traced else nvfp4_quantize_kernel
+    kernel[grid](
+        words, rows if rows is not None else words, global_scale, out, out_scales,
+        num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
+        HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
+        FAST_MATH=fast_math, WORD_ASM=word_asm, STORE_ASM=word_asm and not traced,
+        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, PREFETCH=min(launch.prefetch, steps),
+        STORE_POLICY=launch.store_policy, num_warps=warps, **_register_cap(launch.maxnreg),
+        enable_fp_fusion=False)
+    return out, out_scales
+
+
+def _nvfp4_face(traced: bool):
+    def quantize_nvfp4_op(x: torch.Tensor, global_scale: torch.Tensor, layout: str,
+                          fast_math: bool, rows: Optional[torch.Tensor], ptx: Optional[bool],
+                          num_sms: Optional[int], tile_elements: int, max_blocks: int,
+                          num_warps: int, steps: int, prefetch: int, maxnreg: Optional[int],
+                          store_policy: str, word_asm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``moe_a2a::quantize_nvfp4``: the arguments, then the fields of
+        :class:`NVFP4Launch` -> (packed [M', H/2] uint8, scales uint8 in ``layout``)."""
+        launch = NVFP4Launch(ptx, num_sms, tile_elements, max_blocks, num_warps, steps,
+                             prefetch, maxnreg, store_policy, word_asm)
+        _check_nvfp4(x, global_scale, layout, fast_math, None, None, rows, launch)
+        return _launch_nvfp4(x, global_scale, layout, fast_math, rows, None, None, launch,
+                             traced)
+    library.check_config_parameters(quantize_nvfp4_op, NVFP4Launch)
+    return quantize_nvfp4_op
+
+
+def _nvfp4_torch(x: torch.Tensor, global_scale: torch.Tensor, layout: str, fast_math: bool,
+                 rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.quantize_nvfp4(x, global_scale, layout=layout, fast_math=fast_math,
+                                    rows=rows, check_values=False)
+
+
+def _nvfp4_fake(x, global_scale, layout, fast_math, rows, *launch_fields):
+    packed_shape, scale_shape = _nvfp4_shapes(x, layout, rows)
+    return (x.new_empty(packed_shape, dtype=torch.uint8),
+            x.new_empty(scale_shape, dtype=torch.uint8))
+
+
+QUANTIZE_NVFP4 = library.register("quantize_nvfp4", triton=_nvfp4_face(True),
+                                  launch=_nvfp4_face(False), torch_face=_nvfp4_torch,
+                                  fake=_nvfp4_fake)
+
+
+def _nvfp4_out_face(traced: bool):
+    def quantize_nvfp4_out_op(x: torch.Tensor, global_scale: torch.Tensor, layout: str,
+                              fast_math: bool, rows: Optional[torch.Tensor], out: torch.Tensor,
+                              out_scales: torch.Tensor, ptx: Optional[bool],
+                              num_sms: Optional[int], tile_elements: int, max_blocks: int,
+                              num_warps: int, steps: int, prefetch: int,
+                              maxnreg: Optional[int], store_policy: str,
+                              word_asm: bool) -> None:
+        """``moe_a2a::quantize_nvfp4_out``: ``quantize_nvfp4`` writing the caller's buffers
+        ``out`` [M', H/2] and ``out_scales`` (the layout's exact shape), uint8, contiguous."""
+        launch = NVFP4Launch(ptx, num_sms, tile_elements, max_blocks, num_warps, steps,
+                             prefetch, maxnreg, store_policy, word_asm)
+        _check_nvfp4(x, global_scale, layout, fast_math, out, out_scales, rows, launch)
+        _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales, launch, traced)
+    library.check_config_parameters(quantize_nvfp4_out_op, NVFP4Launch)
+    return quantize_nvfp4_out_op
+
+
+def _nvfp4_out_torch(x: torch.Tensor, global_scale: torch.Tensor, layout: str, fast_math: bool,
+                     rows: Optional[torch.Tensor], out: torch.Tensor,
+                     out_scales: torch.Tensor) -> None:
+    reference.quantize_nvfp4(x, global_scale, layout=layout, fast_math=fast_math, rows=rows,
+                             out=out, out_scales=out_scales, check_values=False)
+
+
+def _nvfp4_out_fake(x, global_scale, layout, fast_math, rows, out, out_scales, *launch_fields):
+    return None
+
+
+QUANTIZE_NVFP4_OUT = library.register(
+    "quantize_nvfp4_out", triton=_nvfp4_out_face(True), launch=_nvfp4_out_face(False),
+    torch_face=_nvfp4_out_torch, fake=_nvfp4_out_fake, mutates_args=("out", "out_scales"))
+library.register_value_check("quantize_nvfp4", check_quantize_nvfp4_values)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str = "linear",
@@ -215,48 +390,37 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
         a zero row, as on every face.
     launch: the launch rule (:class:`NVFP4Launch`); the default is the fixed rule.
     Returns (packed [M', H/2] uint8, element 2i in the low nibble; scales uint8 e4m3 bits).
+    Runs the registered op ``moe_a2a::quantize_nvfp4.triton``, or with ``out`` /
+    ``out_scales`` ``moe_a2a::quantize_nvfp4_out.triton`` (the missing buffer allocated
+    here); directly in eager mode.
     """
-    num_rows, padded_rows, padded_blocks = check_quantize_nvfp4_args(
-        x, global_scale, layout, out, out_scales, rows)
-    if fast_math and not launch.runs_ptx(x.device):
-        raise NotImplementedError(
-            "fast_math=True needs the GPU instruction rcp.approx.ftz.f32 (inline PTX), which "
-            "Triton's interpreter cannot run; use fast_math=False, or a CUDA tensor")
+    _check_nvfp4(x, global_scale, layout, fast_math, out, out_scales, rows, launch)
     if check_values:
-        check_quantize_nvfp4_values(global_scale, rows, x.shape[0])
-    if rows is not None:
-        rows = rows.contiguous()
-    num_src_rows, hidden = x.shape
+        library.run_value_check("quantize_nvfp4", [global_scale, rows], [x.shape[0]])
+    bypass = library.eager_bypass(x, global_scale, rows, out, out_scales)
+    if out is None and out_scales is None:
+        if bypass:
+            return _launch_nvfp4(x, global_scale, layout, fast_math, rows, None, None, launch,
+                                 traced=False)
+        return QUANTIZE_NVFP4.triton(x, global_scale, layout, fast_math, rows,
+                                     *library.config_fields(launch))
+    packed_shape, scale_shape = _nvfp4_shapes(x, layout, rows)
     if out is None:
-        out = torch.empty((num_rows, hidden // 2), dtype=torch.uint8, device=x.device)
+        out = torch.empty(packed_shape, dtype=torch.uint8, device=x.device)
     if out_scales is None:
-        out_scales = torch.empty((padded_rows, padded_blocks), dtype=torch.uint8,
-                                 device=x.device)
-    block_rows, blocks, warps = tile_shape(padded_rows, padded_blocks, NVFP4_BLOCK, x.device,
-                                           launch)
-    row_tiles = triton.cdiv(padded_rows, block_rows)
-    col_tiles = triton.cdiv(padded_blocks, blocks)
-    steps = nvfp4_steps(row_tiles, col_tiles, x.device, launch)
-    grid = (row_tiles, triton.cdiv(col_tiles, steps))
-    if grid[0] * grid[1] == 0:
-        return out, out_scales
-    words, stride_row, in_kind = as_pairs(x)
-    nvfp4_quantize_kernel[grid](
-        words, rows if rows is not None else words, global_scale, out, out_scales,
-        num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
-        HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
-        FAST_MATH=fast_math,
-        WORD_ASM=nvfp4_word_asm(x.device, in_kind, fast_math, stride_row, launch),
-        BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, PREFETCH=min(launch.prefetch, steps),
-        STORE_POLICY=launch.store_policy, num_warps=warps, **_register_cap(launch.maxnreg),
-        enable_fp_fusion=False)
+        out_scales = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
+    if bypass:
+        return _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales, launch,
+                             traced=False)
+    QUANTIZE_NVFP4_OUT.triton(x, global_scale, layout, fast_math, rows, out, out_scales,
+                              *library.config_fields(launch))
     return out, out_scales
 
 
-def _quantize_mx(x: torch.Tensor, fp4: bool,
-                 launch: BlockLaunch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) of MXFP4 (values [M, H/2] uint8) or MXFP8 (values [M, H] uint8)."""
-    check_quant_input(x, MX_BLOCK)
+def _launch_mx(x: torch.Tensor, fp4: bool, launch: BlockLaunch,
+               traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of MXFP4 (values [M, H/2] uint8) or MXFP8 (values [M, H] uint8) on a
+    checked x."""
     num_rows, hidden = x.shape
     # MXFP8 writes the two e4m3 bytes of each element pair as one uint16.
     pairs = torch.empty((num_rows, hidden // 2), dtype=torch.uint8 if fp4 else torch.uint16,
@@ -265,15 +429,57 @@ def _quantize_mx(x: torch.Tensor, fp4: bool,
     block_rows, blocks, warps = tile_shape(num_rows, hidden // MX_BLOCK, MX_BLOCK, x.device,
                                            launch)
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // MX_BLOCK, blocks))
-    if grid[0] * grid[1]:
+    if num_rows and hidden:
         words, stride_row, in_kind = as_pairs(x)
-        mx_quantize_kernel[grid](words, pairs, scales, num_rows, hidden, stride_row,
-                                 IN_KIND=in_kind, FP4=fp4,
-                                 HARDWARE_E4M3=launch.hardware_e4m3 and launch.runs_ptx(x.device),
-                                 WORD_ASM=nvfp4_word_asm(x.device, in_kind, False, None, launch),
-                                 BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=warps,
-                                 enable_fp_fusion=False)
+        kernel = wrap_triton(mx_quantize_kernel) if traced else mx_quantize_kernel
+        kernel[grid](words, pairs, scales, num_rows, hidden, stride_row, IN_KIND=in_kind,
+                     FP4=fp4, HARDWARE_E4M3=launch.hardware_e4m3 and launch.runs_ptx(x.device),
+                     WORD_ASM=nvfp4_word_asm(x.device, in_kind, False, None, launch),
+                     BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=warps,
+                     enable_fp_fusion=False)
     return pairs.view(torch.uint8), scales
+
+
+def _mx_face(fp4: bool, traced: bool):
+    def quantize_mx_op(x: torch.Tensor, ptx: Optional[bool], num_sms: Optional[int],
+                       tile_elements: int, max_blocks: int, num_warps: int,
+                       hardware_e4m3: bool, word_asm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``moe_a2a::quantize_mxfp4`` / ``quantize_mxfp8``: x, then the fields of
+        :class:`BlockLaunch` -> (packed [M, H/2] uint8 / values [M, H] float8_e4m3fn,
+        scales [M, H/32] uint8 e8m0)."""
+        check_quant_input(x, MX_BLOCK)
+        launch = BlockLaunch(ptx, num_sms, tile_elements, max_blocks, num_warps,
+                             hardware_e4m3, word_asm)
+        values, scales = _launch_mx(x, fp4, launch, traced)
+        return (values if fp4 else values.view(torch.float8_e4m3fn)), scales
+    library.check_config_parameters(quantize_mx_op, BlockLaunch)
+    return quantize_mx_op
+
+
+def _mxfp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.quantize_mxfp8(x)
+
+
+def _mxfp4_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.quantize_mxfp4(x)
+
+
+def _mxfp8_fake(x, *launch_fields):
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((x.shape[0], x.shape[1] // MX_BLOCK), dtype=torch.uint8))
+
+
+def _mxfp4_fake(x, *launch_fields):
+    return (x.new_empty((x.shape[0], x.shape[1] // 2), dtype=torch.uint8),
+            x.new_empty((x.shape[0], x.shape[1] // MX_BLOCK), dtype=torch.uint8))
+
+
+QUANTIZE_MXFP8 = library.register("quantize_mxfp8", triton=_mx_face(False, True),
+                                  launch=_mx_face(False, False), torch_face=_mxfp8_torch,
+                                  fake=_mxfp8_fake)
+QUANTIZE_MXFP4 = library.register("quantize_mxfp4", triton=_mx_face(True, True),
+                                  launch=_mx_face(True, False), torch_face=_mxfp4_torch,
+                                  fake=_mxfp4_fake)
 
 
 def quantize_mxfp8(x: torch.Tensor, *,
@@ -281,10 +487,14 @@ def quantize_mxfp8(x: torch.Tensor, *,
     """MXFP8-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_mxfp8``.
 
     x: [M, H] bf16/fp16/fp32, H % 32 == 0. Returns (values [M, H] float8_e4m3fn,
-    scales [M, H/32] uint8 e8m0).
+    scales [M, H/32] uint8 e8m0). Runs ``moe_a2a::quantize_mxfp8.triton`` (directly in eager
+    mode).
     """
-    values, scales = _quantize_mx(x, False, launch)
-    return values.view(torch.float8_e4m3fn), scales
+    check_quant_input(x, MX_BLOCK)
+    if library.eager_bypass(x):
+        values, scales = _launch_mx(x, False, launch, traced=False)
+        return values.view(torch.float8_e4m3fn), scales
+    return QUANTIZE_MXFP8.triton(x, *library.config_fields(launch))
 
 
 def quantize_mxfp4(x: torch.Tensor, *,
@@ -292,47 +502,102 @@ def quantize_mxfp4(x: torch.Tensor, *,
     """MXFP4-quantize rows of ``x``; bit-exact to ``kernels.reference.quantize_mxfp4``.
 
     x: [M, H] bf16/fp16/fp32, H % 32 == 0. Returns (packed [M, H/2] uint8, element 2i in the
-    low nibble; scales [M, H/32] uint8 e8m0).
+    low nibble; scales [M, H/32] uint8 e8m0). Runs ``moe_a2a::quantize_mxfp4.triton``
+    (directly in eager mode).
     """
-    return _quantize_mx(x, True, launch)
+    check_quant_input(x, MX_BLOCK)
+    if library.eager_bypass(x):
+        return _launch_mx(x, True, launch, traced=False)
+    return QUANTIZE_MXFP4.triton(x, *library.config_fields(launch))
 
 
-def _relayout(src: torch.Tensor, dst: torch.Tensor, layout: str, num_rows: int,
-              num_blocks: int, swizzle: bool) -> torch.Tensor:
+def _launch_relayout(src: torch.Tensor, layout: str, num_rows: int, num_blocks: int,
+                     swizzle: bool, traced: bool) -> torch.Tensor:
+    """Swizzle (linear [M, K] -> [Mp, Kp] in ``layout``) or unswizzle contiguous ``src``."""
     padded_rows, padded_blocks = swizzled_scale_shape(num_rows, num_blocks, layout)
-    cover_rows, cover_blocks = ((padded_rows, padded_blocks) if swizzle
-                                else (num_rows, num_blocks))
+    shape = (padded_rows, padded_blocks) if swizzle else (num_rows, num_blocks)
+    dst = torch.empty(shape, dtype=torch.uint8, device=src.device)
+    cover_rows, cover_blocks = shape
     block_rows, blocks = 32, 32
     grid = (triton.cdiv(cover_rows, block_rows), triton.cdiv(cover_blocks, blocks))
-    if grid[0] * grid[1]:
-        scale_layout_kernel[grid](src, dst, num_rows, num_blocks, padded_blocks, cover_rows,
-                                  cover_blocks, LAYOUT=LAYOUT_IDS[layout], SWIZZLE=swizzle,
-                                  BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=4)
+    if cover_rows and cover_blocks:
+        kernel = wrap_triton(scale_layout_kernel) if traced else scale_layout_kernel
+        kernel[grid](src, dst, num_rows, num_blocks, padded_blocks, cover_rows, cover_blocks,
+                     LAYOUT=LAYOUT_IDS[layout], SWIZZLE=swizzle, BLOCK_ROWS=block_rows,
+                     BLOCKS=blocks, num_warps=4)
     return dst
+
+
+def _swizzle_face(traced: bool):
+    def swizzle_scales_op(sf: torch.Tensor, layout: str) -> torch.Tensor:
+        """``moe_a2a::swizzle_scales``: linear [M, K] uint8 -> [Mp, Kp] in ``layout``."""
+        check_swizzle_args(sf, layout)
+        return _launch_relayout(sf.contiguous(), layout, sf.shape[0], sf.shape[1], True,
+                                traced)
+    return swizzle_scales_op
+
+
+def _swizzle_torch(sf: torch.Tensor, layout: str) -> torch.Tensor:
+    return reference.swizzle_scales(sf, layout)
+
+
+def _swizzle_fake(sf, layout):
+    return sf.new_empty(swizzled_scale_shape(sf.shape[0], sf.shape[1], layout))
+
+
+SWIZZLE_SCALES = library.register("swizzle_scales", triton=_swizzle_face(True),
+                                  launch=_swizzle_face(False), torch_face=_swizzle_torch,
+                                  fake=_swizzle_fake)
 
 
 def swizzle_scales(sf: torch.Tensor, layout: str) -> torch.Tensor:
     """Linear block scales [M, K] uint8 (any strides) -> [Mp, Kp] uint8 in ``layout``, padding
-    zero (see ``kernels.reference.swizzle_scales``)."""
+    zero (see ``kernels.reference.swizzle_scales``); ``moe_a2a::swizzle_scales.triton``."""
     check_swizzle_args(sf, layout)
-    sf = sf.contiguous()
-    num_rows, num_blocks = sf.shape
-    out = torch.empty(swizzled_scale_shape(num_rows, num_blocks, layout), dtype=torch.uint8,
-                      device=sf.device)
-    return _relayout(sf, out, layout, num_rows, num_blocks, swizzle=True)
+    if library.eager_bypass(sf):
+        return _launch_relayout(sf.contiguous(), layout, sf.shape[0], sf.shape[1], True,
+                                traced=False)
+    return SWIZZLE_SCALES.triton(sf, layout)
+
+
+def _unswizzle_face(traced: bool):
+    def unswizzle_scales_op(sf_swizzled: torch.Tensor, layout: str, num_rows: int,
+                            num_blocks: int) -> torch.Tensor:
+        """``moe_a2a::unswizzle_scales``: [Mp, Kp] (or flat) in ``layout`` ->
+        [num_rows, num_blocks] linear."""
+        check_unswizzle_args(sf_swizzled, layout, num_rows, num_blocks)
+        return _launch_relayout(sf_swizzled.contiguous(), layout, num_rows, num_blocks, False,
+                                traced)
+    return unswizzle_scales_op
+
+
+def _unswizzle_torch(sf_swizzled: torch.Tensor, layout: str, num_rows: int,
+                     num_blocks: int) -> torch.Tensor:
+    return reference.unswizzle_scales(sf_swizzled, layout, num_rows, num_blocks)
+
+
+def _unswizzle_fake(sf_swizzled, layout, num_rows, num_blocks):
+    return sf_swizzled.new_empty((num_rows, num_blocks))
+
+
+UNSWIZZLE_SCALES = library.register("unswizzle_scales", triton=_unswizzle_face(True),
+                                    launch=_unswizzle_face(False), torch_face=_unswizzle_torch,
+                                    fake=_unswizzle_fake)
 
 
 def unswizzle_scales(sf_swizzled: torch.Tensor, layout: str, num_rows: int,
                      num_blocks: int) -> torch.Tensor:
     """[Mp, Kp] (or flat) uint8 scales in ``layout``, any strides -> [num_rows, num_blocks]
-    linear."""
+    linear; ``moe_a2a::unswizzle_scales.triton``."""
     check_unswizzle_args(sf_swizzled, layout, num_rows, num_blocks)
-    sf_swizzled = sf_swizzled.contiguous()
-    out = torch.empty((num_rows, num_blocks), dtype=torch.uint8, device=sf_swizzled.device)
-    return _relayout(sf_swizzled, out, layout, num_rows, num_blocks, swizzle=False)
+    if library.eager_bypass(sf_swizzled):
+        return _launch_relayout(sf_swizzled.contiguous(), layout, num_rows, num_blocks, False,
+                                traced=False)
+    return UNSWIZZLE_SCALES.triton(sf_swizzled, layout, num_rows, num_blocks)
 
 
-def _dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block, launch):
+def _launch_dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block,
+                       launch, traced):
     """The dequantize launch on checked arguments (copied to contiguous tensors here)."""
     packed, scales = packed.contiguous(), scales.contiguous()
     num_rows = packed.shape[0]
@@ -341,12 +606,47 @@ def _dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden, block,
     block_rows, blocks, warps = tile_shape(num_rows, hidden // block, block, packed.device,
                                            launch)
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // block, blocks))
-    if grid[0] * grid[1]:
-        dequantize_kernel[grid](packed, scales, global_scale, out, num_rows, hidden,
-                                padded_blocks, FORMAT=fmt, LAYOUT=LAYOUT_IDS[layout],
-                                BLOCK_ROWS=block_rows, BLOCKS=blocks, BLOCK=block,
-                                num_warps=warps, enable_fp_fusion=False)
+    if num_rows and hidden:
+        kernel = wrap_triton(dequantize_kernel) if traced else dequantize_kernel
+        kernel[grid](packed, scales, global_scale, out, num_rows, hidden, padded_blocks,
+                     FORMAT=fmt, LAYOUT=LAYOUT_IDS[layout], BLOCK_ROWS=block_rows,
+                     BLOCKS=blocks, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
     return out
+
+
+def _dequantize_nvfp4_face(traced: bool):
+    def dequantize_nvfp4_op(packed: torch.Tensor, scales: torch.Tensor,
+                            global_scale: torch.Tensor, layout: str, dtype: torch.dtype,
+                            ptx: Optional[bool], num_sms: Optional[int], tile_elements: int,
+                            max_blocks: int, num_warps: int, hardware_e4m3: bool,
+                            word_asm: bool) -> torch.Tensor:
+        """``moe_a2a::dequantize_nvfp4``: the arguments, then the fields of
+        :class:`BlockLaunch` -> [M, H] ``dtype``."""
+        _, hidden = check_dequantize_nvfp4_args(packed, scales, global_scale, layout, dtype)
+        launch = BlockLaunch(ptx, num_sms, tile_elements, max_blocks, num_warps,
+                             hardware_e4m3, word_asm)
+        return _launch_dequantize(packed, scales, global_scale, layout, dtype, 0, hidden,
+                                  NVFP4_BLOCK, launch, traced)
+    library.check_config_parameters(dequantize_nvfp4_op, BlockLaunch)
+    return dequantize_nvfp4_op
+
+
+def _dequantize_nvfp4_torch(packed: torch.Tensor, scales: torch.Tensor,
+                            global_scale: torch.Tensor, layout: str,
+                            dtype: torch.dtype) -> torch.Tensor:
+    return reference.dequantize_nvfp4(packed, scales, global_scale, layout=layout, dtype=dtype,
+                                      check_values=False)
+
+
+def _dequantize_nvfp4_fake(packed, scales, global_scale, layout, dtype, *launch_fields):
+    return packed.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=dtype)
+
+
+DEQUANTIZE_NVFP4 = library.register(
+    "dequantize_nvfp4", triton=_dequantize_nvfp4_face(True),
+    launch=_dequantize_nvfp4_face(False), torch_face=_dequantize_nvfp4_torch,
+    fake=_dequantize_nvfp4_fake)
+library.register_value_check("dequantize_nvfp4", check_global_scale_values)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,
@@ -355,28 +655,78 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
                      launch: BlockLaunch = DEFAULT_BLOCK) -> torch.Tensor:
     """[M, H/2] uint8 codes, scales in ``layout`` ([Mp, Kp] or flat), [1] fp32 encode scale
     (any strides) -> [M, H] ``dtype``, ``(e2m1 * f32(sf)) * (1 / gs)``; bit-exact to the
-    reference, with its checks (``check_values``: read and check the global scale)."""
+    reference, with its checks (``check_values``: read and check the global scale);
+    ``moe_a2a::dequantize_nvfp4.triton``."""
     _, hidden = check_dequantize_nvfp4_args(packed, scales, global_scale, layout, dtype)
     if check_values:
-        check_global_scale_values(global_scale)
-    return _dequantize(packed, scales, global_scale, layout, dtype, 0, hidden, NVFP4_BLOCK,
-                       launch)
+        library.run_value_check("dequantize_nvfp4", [global_scale], [])
+    if library.eager_bypass(packed, scales, global_scale):
+        return _launch_dequantize(packed, scales, global_scale, layout, dtype, 0, hidden,
+                                  NVFP4_BLOCK, launch, traced=False)
+    return DEQUANTIZE_NVFP4.triton(packed, scales, global_scale, layout, dtype,
+                                   *library.config_fields(launch))
+
+
+def _dequantize_mx_face(fp4: bool, traced: bool):
+    def dequantize_mx_op(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                         ptx: Optional[bool], num_sms: Optional[int], tile_elements: int,
+                         max_blocks: int, num_warps: int, hardware_e4m3: bool,
+                         word_asm: bool) -> torch.Tensor:
+        """``moe_a2a::dequantize_mxfp4`` (codes [M, H/2] uint8) / ``dequantize_mxfp8``
+        (codes [M, H] float8_e4m3fn or uint8), scales [M, H/32] e8m0, then the fields of
+        :class:`BlockLaunch` -> [M, H] ``dtype``."""
+        _, hidden = check_dequantize_mx_args(codes, scales, dtype, fp4=fp4)
+        launch = BlockLaunch(ptx, num_sms, tile_elements, max_blocks, num_warps,
+                             hardware_e4m3, word_asm)
+        return _launch_dequantize(codes.view(torch.uint8), scales, scales, "linear", dtype,
+                                  1 if fp4 else 2, hidden, MX_BLOCK, launch, traced)
+    library.check_config_parameters(dequantize_mx_op, BlockLaunch)
+    return dequantize_mx_op
+
+
+def _dequantize_mxfp8_torch(codes: torch.Tensor, scales: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    return reference.dequantize_mxfp8(codes, scales, dtype=dtype)
+
+
+def _dequantize_mxfp4_torch(codes: torch.Tensor, scales: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
+    return reference.dequantize_mxfp4(codes, scales, dtype=dtype)
+
+
+def _dequantize_mx_fake(codes, scales, dtype, *launch_fields):
+    return codes.new_empty((codes.shape[0], scales.shape[1] * MX_BLOCK), dtype=dtype)
+
+
+DEQUANTIZE_MXFP8 = library.register(
+    "dequantize_mxfp8", triton=_dequantize_mx_face(False, True),
+    launch=_dequantize_mx_face(False, False), torch_face=_dequantize_mxfp8_torch,
+    fake=_dequantize_mx_fake)
+DEQUANTIZE_MXFP4 = library.register(
+    "dequantize_mxfp4", triton=_dequantize_mx_face(True, True),
+    launch=_dequantize_mx_face(True, False), torch_face=_dequantize_mxfp4_torch,
+    fake=_dequantize_mx_fake)
 
 
 def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, *,
                      dtype: torch.dtype = torch.float32,
                      launch: BlockLaunch = DEFAULT_BLOCK) -> torch.Tensor:
     """[M, H] float8_e4m3fn (or uint8 bits), exactly [M, H/32] e8m0 (any strides) -> [M, H]
-    ``dtype``; bit-exact to the reference."""
+    ``dtype``; bit-exact to the reference; ``moe_a2a::dequantize_mxfp8.triton``."""
     _, hidden = check_dequantize_mx_args(values, scales, dtype, fp4=False)
-    return _dequantize(values.view(torch.uint8), scales, scales, "linear", dtype, 2, hidden,
-                       MX_BLOCK, launch)
+    if library.eager_bypass(values, scales):
+        return _launch_dequantize(values.view(torch.uint8), scales, scales, "linear", dtype, 2,
+                                  hidden, MX_BLOCK, launch, traced=False)
+    return DEQUANTIZE_MXFP8.triton(values, scales, dtype, *library.config_fields(launch))
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, *,
                      dtype: torch.dtype = torch.float32,
                      launch: BlockLaunch = DEFAULT_BLOCK) -> torch.Tensor:
     """[M, H/2] uint8 codes, exactly [M, H/32] e8m0 (any strides) -> [M, H] ``dtype``;
-    bit-exact to the reference."""
+    bit-exact to the reference; ``moe_a2a::dequantize_mxfp4.triton``."""
     _, hidden = check_dequantize_mx_args(packed, scales, dtype, fp4=True)
-    return _dequantize(packed, scales, scales, "linear", dtype, 1, hidden, MX_BLOCK, launch)
+    if library.eager_bypass(packed, scales):
+        return _launch_dequantize(packed, scales, scales, "linear", dtype, 1, hidden, MX_BLOCK,
+                                  launch, traced=False)
+    return DEQUANTIZE_MXFP4.triton(packed, scales, dtype, *library.config_fields(launch))

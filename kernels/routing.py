@@ -74,8 +74,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 from triton.language.extra import libdevice
 
+from kernels import library, reference
 from kernels.hardware import interpreting
 from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
@@ -722,6 +724,22 @@ def _route_topk_kernel(
                      mask=row_ok)
 
 
+def tokens_per_program(num_tokens: int, row_elements: int, launch: RoutingLaunch) -> int:
+    """Rows per program: ``launch.rows_per_program``, else the rule: one row per program until
+    the grid has more than ``target_programs`` programs, then twice as many rows per step (a
+    power of two) while the tile stays within ``elements_per_program`` (``row_elements`` per
+    row). Written as a loop of comparisons on T (not a power of two of a size), so that a traced
+    T only adds a guard per doubling: one compiled kernel per T range, none below
+    ``target_programs`` tokens (DeepSeek-V3's 256-wide row never doubles)."""
+    if launch.rows_per_program is not None:
+        return launch.rows_per_program
+    cap = max(1, launch.elements_per_program // row_elements)
+    rows = 1
+    while rows * 2 <= cap and num_tokens > rows * launch.target_programs:
+        rows *= 2
+    return rows
+
+
 def _values_per_check(tile_elements: int, num_warps: int) -> int:
     """``RECIP_FMA``'s values per subnormal check: 8 or 4 where each thread of the program holds
     that many of its [B, C] tile (powers of two, spread evenly), else 1."""
@@ -730,9 +748,10 @@ def _values_per_check(tile_elements: int, num_warps: int) -> int:
 
 
 def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int,
-            topk_groups: int, routed_scaling: float, launch: RoutingLaunch):
+            topk_groups: int, routed_scaling: float, launch: RoutingLaunch, traced: bool):
     """Allocate the outputs and launch the kernel on checked arguments (``num_groups`` and
-    ``topk_groups`` already filled in by ``check_routing_args``)."""
+    ``topk_groups`` already filled in by ``check_routing_args``); ``traced``: launch through
+    ``wrap_triton`` (the op's body), else the kernel itself."""
     num_tokens, num_experts = logits.shape
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
@@ -749,11 +768,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     experts_per_group = num_experts // groups
     groups_pad = triton.next_power_of_2(groups)
     group_pad = triton.next_power_of_2(experts_per_group)
-    rows_per_program = launch.rows_per_program
-    if rows_per_program is None:
-        rows_per_program = max(1, min(launch.elements_per_program // (groups_pad * group_pad),
-                                      triton.next_power_of_2(-(-num_tokens
-                                                               // launch.target_programs))))
+    rows_per_program = tokens_per_program(num_tokens, groups_pad * group_pad, launch)
     grid = (-(-num_tokens // rows_per_program),)
     keep_pad = triton.next_power_of_2(topk_groups) if grouped else 1
     compact = launch.compact if grouped else COMPACT_NONE
@@ -765,7 +780,8 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     if keys == KEYS_QUEUES and (launch.num_warps != 1 or scan_columns % (32 * vector)
                                 or scan_columns > 512):
         keys = KEYS_SPLIT32
-    _route_topk_kernel[grid](
+    kernel = wrap_triton(_route_topk_kernel) if traced else _route_topk_kernel
+    kernel[grid](
         logits, bias, ids, weights,
         num_tokens, logits.stride(0), logits.stride(1), float(routed_scaling),
         EXPERTS_PER_GROUP=experts_per_group, NUM_GROUPS=groups,
@@ -785,6 +801,62 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         num_warps=launch.num_warps,
     )
     return ids, weights
+
+
+def _check_route(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling):
+    """The shared checks plus the kernel's limit on E; returns (num_groups, topk_groups)."""
+    num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
+                                                 topk_groups, routed_scaling)
+    if logits.shape[1] > MAX_EXPERTS:
+        raise ValueError(f"logits have {logits.shape[1]} experts; the Triton routing kernel "
+                         f"holds a row in registers and takes E <= {MAX_EXPERTS} "
+                         f"(use backend='torch')")
+    return num_groups, topk_groups
+
+
+def _route_topk_face(traced: bool):
+    def route_topk_op(logits: torch.Tensor, top_k: int, method: str, bias: Optional[torch.Tensor],
+                      num_groups: Optional[int], topk_groups: Optional[int],
+                      routed_scaling: float, num_warps: int,
+                      elements_per_program: int, target_programs: int,
+                      rows_per_program: Optional[int], compact: int, keys: int,
+                      group_select: int, weights_from: int, reciprocal: int,
+                      group_top2: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``moe_a2a::route_topk``: the routing arguments, then the fields of
+        :class:`RoutingLaunch` -> (topk_ids [T, k] int32, topk_weights [T, k] fp32)."""
+        num_groups, topk_groups = _check_route(logits, top_k, method, bias, num_groups,
+                                               topk_groups, routed_scaling)
+        launch = RoutingLaunch(num_warps, elements_per_program, target_programs,
+                               rows_per_program, compact, keys, group_select, weights_from,
+                               reciprocal, group_top2)
+        return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
+                       launch, traced)
+    library.check_config_parameters(route_topk_op, RoutingLaunch)
+    return route_topk_op
+
+
+def _route_topk_torch(logits: torch.Tensor, top_k: int, method: str,
+                      bias: Optional[torch.Tensor], num_groups: Optional[int],
+                      topk_groups: Optional[int],
+                      routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, weights = reference.route_topk(logits, top_k, method, bias=bias, num_groups=num_groups,
+                                        topk_groups=topk_groups, routed_scaling=routed_scaling)
+    # dense row-major strides, as the Triton face's and the fake's (the oracle's ids may be a
+    # view of its [T, E] sort, which .contiguous() keeps as it is when T == 1)
+    return (ids.clone(memory_format=torch.contiguous_format),
+            weights.clone(memory_format=torch.contiguous_format))
+
+
+def _route_topk_fake(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
+                     *launch_fields):
+    num_tokens = logits.shape[0]
+    return (logits.new_empty((num_tokens, top_k), dtype=torch.int32),
+            logits.new_empty((num_tokens, top_k), dtype=torch.float32))
+
+
+ROUTE_TOPK = library.register("route_topk", triton=_route_topk_face(True),
+                              launch=_route_topk_face(False), torch_face=_route_topk_torch,
+                              fake=_route_topk_fake)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_groups=None,
@@ -808,13 +880,15 @@ def route_topk(logits: torch.Tensor, top_k: int, method: str, *, bias=None, num_
         topk_weights: [T, k] float32, the weight of each chosen expert; a NaN is stored as
             ``kernels.spec.routing.NAN_WEIGHT_BITS``.
 
-    No host synchronisation: safe to capture in a CUDA graph.
+    No host synchronisation: safe to capture in a CUDA graph. Runs the registered op
+    ``moe_a2a::route_topk.triton`` (directly in eager mode: ``kernels.library``).
     """
-    num_groups, topk_groups = check_routing_args(logits, top_k, method, bias, num_groups,
-                                                 topk_groups, routed_scaling)
-    if logits.shape[1] > MAX_EXPERTS:
-        raise ValueError(f"logits have {logits.shape[1]} experts; the Triton routing kernel "
-                         f"holds a row in registers and takes E <= {MAX_EXPERTS} "
-                         f"(use backend='torch')")
-    return _launch(logits, top_k, method, bias, num_groups, topk_groups, routed_scaling,
-                   default_launch() if launch is None else launch)
+    launch = default_launch() if launch is None else launch
+    groups, kept = _check_route(logits, top_k, method, bias, num_groups, topk_groups,
+                                routed_scaling)
+    if library.eager_bypass(logits, bias):
+        return _launch(logits, top_k, method, bias, groups, kept, routed_scaling, launch,
+                       traced=False)
+    # the arguments as given (None where not given): the op runs the same checks
+    return ROUTE_TOPK.triton(logits, top_k, method, bias, num_groups, topk_groups,
+                             float(routed_scaling), *library.config_fields(launch))

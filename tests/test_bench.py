@@ -440,11 +440,12 @@ def test_transport_targets_pair_sum_and_best_flashinfer():
 
 def test_target_shapes_are_in_the_default_and_deepseek_sweeps():
     from bench.decode import DECODE, DECODE_SWEEP
+    from bench.ops import OPS
     from bench.stages import DEEPSEEK_SWEEP, DEFAULT_SWEEP, PREPARE, TRANSPORT_SWEEP
     from bench.targets import TARGETS
     from bench.transport import COMBINE, DISPATCH
     stages = {"quantize": QUANTIZE, "routing": ROUTING, "permute": PERMUTE, "prepare": PREPARE,
-              "dispatch": DISPATCH, "combine": COMBINE, "decode": DECODE}
+              "dispatch": DISPATCH, "combine": COMBINE, "decode": DECODE, "ops": OPS}
     # the transport sweep holds the transport's targets, the decode sweep the decode chain's
     own = {"dispatch": TRANSPORT_SWEEP, "combine": TRANSPORT_SWEEP, "decode": DECODE_SWEEP}
     for target in TARGETS:
@@ -862,3 +863,58 @@ def test_no_nvtx_ranges_off_a_gpu(monkeypatch):
     ctx = RunContext(device=torch.device("cpu"), gpu="cpu")
     run_stages([_cumsum_stage()], TINY, ctx, progress=False)
     assert pushed == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops stage (bench/ops.py): the eager call cost of the registered ops
+# ---------------------------------------------------------------------------------------------
+
+def test_ops_stage_shapes_are_t16_deepseek_r1_on_gpu_sweeps_and_one_tiny_shape_on_cpu():
+    from bench.ops import OPS, OPS_DIMS
+    from bench.stages import CPU_QUICK_SWEEP, DEEPSEEK_SWEEP
+    from kernels.ops import OP_NAMES
+    gpu = OPS.shapes(DEEPSEEK_SWEEP)
+    assert [s["op"] for s in gpu] == list(OP_NAMES)
+    assert all(dict(s, op=None) == dict(tokens=16, op=None, **OPS_DIMS) for s in gpu)
+    cpu = OPS.shapes(CPU_QUICK_SWEEP)
+    assert {(s["tokens"], s["hidden"], s["experts"], s["top_k"]) for s in cpu} == {(7, 128, 16, 4)}
+
+
+@pytest.mark.parametrize("op", ["permute_by_expert", "quantize_nvfp4_out", "swizzle_scales"])
+def test_ops_stage_rows_are_checked_against_the_torch_overload(op):
+    from bench.ops import OPS, ROWS
+    from bench.runner import run_shape
+    ctx = RunContext(device=torch.device("cpu"), gpu="cpu (Triton interpreter)")
+    shape = dict(tokens=7, hidden=128, experts=16, top_k=4, op=op)
+    records = {r["backend"]: r for r in run_shape(OPS, shape, ctx)}
+    assert set(records) == set(ROWS) | {"torch"}
+    for backend in ROWS:
+        assert records[backend]["ok"] is True and records[backend]["time_us"], records[backend]
+
+
+def test_ops_target_is_two_us_over_the_raw_launch():
+    def row(backend, time_us, op="gather_rows"):
+        return {"stage": "ops", "backend": backend, "time_us": time_us, "gbps": None,
+                "shape": dict(tokens=16, hidden=7168, experts=256, top_k=8, op=op)}
+    rows = [row("triton_raw", 5.0), row("triton_op", 7.0), row("triton_public", 5.5),
+            row("triton_raw", 5.0, "route_topk"), row("triton_op", 7.5, "route_topk")]
+    judge_targets(rows)
+    assert rows[1]["target_pass"] is True and rows[4]["target_pass"] is False
+    assert "target" not in rows[0] and "target" not in rows[2]
+    from bench.targets import TARGETS
+    from kernels.ops import OP_NAMES
+    assert {t.match["op"] for t in TARGETS if t.stage == "ops"} == set(OP_NAMES)
+
+
+@pytest.mark.gpu
+def test_gpu_ops_stage_times_every_op_three_ways(tmp_path):
+    from bench.ops import ROWS
+    from kernels.ops import OP_NAMES
+    _, data = run_bench(["--stages", "ops", "--sweep", "deepseek", "--targets", "--no-plots",
+                         "--budget", "0"], tmp_path, cpu=False)
+    rows = {(r["shape"]["op"], r["backend"]): r for r in data["records"]}
+    for name in OP_NAMES:
+        for backend in ROWS:
+            r = rows[(name, backend)]
+            assert r["ok"] is True and r["shape"]["tokens"] == 16, r
+        assert rows[(name, "triton_op")]["target_pass"] is not None

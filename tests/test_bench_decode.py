@@ -92,7 +92,10 @@ def cpu_rows() -> dict:
 @pytest.mark.parametrize("payload", ["nvfp4", "bf16"])
 def test_cpu_rows_check_the_triton_chain_and_say_why_flashinfer_cannot_run(cpu_rows, payload):
     assert {backend for backend, p in cpu_rows if p == payload} == {
-        "triton", "flashinfer_routing", "flashinfer", "torch"}
+        "triton", "triton_compiled", "flashinfer_routing", "flashinfer", "torch"}
+    compiled = cpu_rows[("triton_compiled", payload)]
+    assert compiled["ok"] is None
+    assert compiled["note"].startswith("not available: the compiled chain needs a GPU")
     triton = cpu_rows[("triton", payload)]
     # checked against the oracle (a mismatch would make ok False), then timed
     assert triton["ok"] is True and triton["time_us"] is not None, triton
@@ -294,6 +297,16 @@ def test_decode_targets_bound_the_triton_chain_of_both_payloads():
         assert "target" not in rows[8] and "target" not in rows[9]  # not Triton / no target
 
 
+def test_compiled_chain_target_is_its_cuda_graph_row():
+    rows = [_decode_row(16, 10.0), _decode_row(16, 9.0, backend="triton_compiled"),
+            _decode_row(64, 10.0), _decode_row(64, 11.0, backend="triton_compiled"),
+            _decode_row(256, 30.0, backend="triton_compiled")]   # no graph row: not judged
+    judge_targets(rows)
+    assert [r.get("target_pass") for r in rows[1::2]] == [True, False]
+    assert rows[4]["target_pass"] is None
+    assert "compiled T=16 <= its CUDA graph" in rows[1]["target"]
+
+
 # ---------------------------------------------------------------------------------------------
 # On a GPU (subprocesses)
 # ---------------------------------------------------------------------------------------------
@@ -376,3 +389,7 @@ def test_gpu_decode_rows(tmp_path):
         whole = rows[("flashinfer", payload)]
         assert whole["ok"] is None and "no standalone permutation" in whole["note"], whole
         assert rows[("torch", payload)]["ok"] is True
+        compiled = rows[("triton_compiled", payload)]  # timed by eager calls
+        assert compiled["ok"] is True and compiled["timing"] != "cuda_graph", compiled
+        assert "torch.compile(fullgraph=True)" in compiled["note"], compiled
+        assert compiled["target_pass"] is not None, compiled

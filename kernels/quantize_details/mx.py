@@ -11,8 +11,8 @@ from kernels.quantize_details.formats import (INV448, INV6, e4m3_value, e8m0_cod
                                               e8m0_inverse, e8m0_value, max_nan, scale_offsets,
                                               with_sign)
 from kernels.quantize_details.words import (e2m1_pairs, e4m3_pairs, load_words,
-                                            nan_to_e4m3_max, pair_amax, source_rows,
-                                            unpack_words, words_amax)
+                                            nan_to_e4m3_max, pair_amax, unpack_words,
+                                            word_offsets, words_amax)
 
 
 @triton.jit
@@ -26,11 +26,14 @@ def mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     block_start = tl.program_id(1) * BLOCKS
     num_blocks = hidden // 32
-    src, row_ok = source_rows(words_ptr, rows, num_rows, num_rows, False)
-    # A block of 32 elements is 16 words, read as two halves of 8.
-    in_ptrs = words_ptr + src * stride_row
-    w0, words0 = load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 16, 8)
-    w1, words1 = load_words(in_ptrs, row_ok, block_start, num_blocks, 8, BLOCKS, 16, 8)
+    row_ok = rows < num_rows
+    # A block of 32 elements is 16 words, read as two halves of 8. The store offsets are
+    # computed here, not taken from load_words (see ``word_offsets``).
+    in_ptrs = words_ptr + rows.to(tl.int64) * stride_row
+    w0 = load_words(in_ptrs, row_ok, block_start, num_blocks, 0, BLOCKS, 16, 8)[0]
+    w1 = load_words(in_ptrs, row_ok, block_start, num_blocks, 8, BLOCKS, 16, 8)[0]
+    words0 = word_offsets(block_start, 0, BLOCKS, 16, 8)
+    words1 = word_offsets(block_start, 8, BLOCKS, 16, 8)
     lo0, hi0 = unpack_words(w0, IN_KIND)
     lo1, hi1 = unpack_words(w1, IN_KIND)
     if WORD_ASM:

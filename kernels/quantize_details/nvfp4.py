@@ -18,12 +18,13 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
                           padded_rows, padded_blocks,
                           HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
                           LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
-                          WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                          BLOCKS: tl.constexpr, STEPS: tl.constexpr,
+                          WORD_ASM: tl.constexpr, STORE_ASM: tl.constexpr,
+                          BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, STEPS: tl.constexpr,
                           PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr):
     """A program quantizes BLOCK_ROWS rows over STEPS consecutive tiles of BLOCKS scale blocks
     (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before working on the
-    current one, so a thread has loads in flight while it computes."""
+    current one, so a thread has loads in flight while it computes. STORE_ASM: the block
+    scales are stored by inline PTX (``store_bytes``; with WORD_ASM only)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
     num_blocks = hidden // 16
@@ -44,10 +45,10 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
         if step + PREFETCH < STEPS:  # the tile PREFETCH steps ahead, in flight meanwhile
             new = load_halves(in_ptrs, row_ok, block_start + (step + PREFETCH) * BLOCKS,
                               num_blocks, BLOCKS)
-        nvfp4_tile(cur[0], cur[1], global_scale, out_ptrs, scale_ptrs, rows,
-                   block_start + step * BLOCKS, num_rows, num_blocks, padded_rows,
-                   padded_blocks, IN_KIND, LAYOUT, FAST_MATH, WORD_ASM, BLOCK_ROWS, BLOCKS,
-                   STORE_POLICY)
+        quantize_tile(cur[0], cur[1], global_scale, out_ptrs, scale_ptrs, rows,
+                      block_start + step * BLOCKS, num_rows, num_blocks, padded_rows,
+                      padded_blocks, IN_KIND, LAYOUT, FAST_MATH, WORD_ASM, STORE_ASM,
+                      BLOCK_ROWS, BLOCKS, STORE_POLICY)
         if step + 1 < STEPS:
             if PREFETCH == 1:
                 cur = new
@@ -77,9 +78,24 @@ def nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
                IN_KIND: tl.constexpr, LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                WORD_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr,
                STORE_POLICY: tl.constexpr):
+    """``quantize_tile`` with the scale store following WORD_ASM (the Triton transport's
+    quantizing send)."""
+    quantize_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows, block_start, num_rows,
+                  num_blocks, padded_rows, padded_blocks, IN_KIND, LAYOUT, FAST_MATH, WORD_ASM,
+                  WORD_ASM, BLOCK_ROWS, BLOCKS, STORE_POLICY)
+
+
+@triton.jit
+def quantize_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
+                  block_start, num_rows, num_blocks, padded_rows, padded_blocks,
+                  IN_KIND: tl.constexpr, LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
+                  WORD_ASM: tl.constexpr, STORE_ASM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                  BLOCKS: tl.constexpr, STORE_POLICY: tl.constexpr):
     """One tile: the words (``load_words``, halves 0 and 1 of each block) -> packed codes
     at ``out_ptrs`` (the rows' starts, stored with L2 eviction priority STORE_POLICY) and
-    block scales at ``scale_ptrs`` (the rows' parts of the scale offsets in LAYOUT)."""
+    block scales at ``scale_ptrs`` (the rows' parts of the scale offsets in LAYOUT), by inline
+    PTX when STORE_ASM (``store_bytes``: no trip through shared memory; a non-pure asm, which
+    Inductor's mutation analysis cannot follow), else by ``tl.store``."""
     if WORD_ASM:  # bf16/fp16, IEEE recipe, on a GPU: the word-level inline PTX
         amax = words_amax(w0, w1, IN_KIND)  # [BLOCK_ROWS, BLOCKS]
     else:
@@ -137,4 +153,4 @@ def nvfp4_tile(w0, w1, global_scale, out_ptrs, scale_ptrs, rows,
     sf = tl.where((rows < num_rows)[:, None] & (blocks < num_blocks)[None, :], sf, 0)
     sf_mask = (rows < padded_rows)[:, None] & (blocks < padded_blocks)[None, :]
     store_bytes(scale_ptrs[:, None] + scale_block_offsets(blocks, LAYOUT)[None, :], sf,
-                sf_mask, WORD_ASM)
+                sf_mask, STORE_ASM)

@@ -60,9 +60,21 @@ def load_words(row_ptrs, row_ok, block_start, num_blocks, FIRST: tl.constexpr,
     holds whole blocks, so the block reductions, the per-block scale math (done once per
     block, not once per thread sharing it) and the nibble packing need no data exchange."""
     blocks = block_start + tl.arange(0, BLOCKS)
-    offsets = (blocks * PAIRS + FIRST)[None, :, None] + tl.arange(0, WIDTH)[None, None, :]
+    offsets = word_offsets(block_start, FIRST, BLOCKS, PAIRS, WIDTH)
     mask = row_ok[:, None, None] & (blocks < num_blocks)[None, :, None]
     return tl.load(row_ptrs[:, None, None] + offsets, mask=mask, other=0), offsets
+
+
+@triton.jit
+def word_offsets(block_start, FIRST: tl.constexpr, BLOCKS: tl.constexpr, PAIRS: tl.constexpr,
+                 WIDTH: tl.constexpr):
+    """The int32 offsets [1, BLOCKS, WIDTH] within a row of words [FIRST, FIRST + WIDTH) of
+    scale blocks [block_start, +BLOCKS) (``load_words``'s second result). A kernel that stores
+    at these offsets computes them itself rather than taking them from ``load_words``: an
+    address from a helper that was given a pointer makes Inductor's mutation analysis count
+    that pointer's tensor as written."""
+    blocks = block_start + tl.arange(0, BLOCKS)
+    return (blocks * PAIRS + FIRST)[None, :, None] + tl.arange(0, WIDTH)[None, None, :]
 
 
 @triton.jit

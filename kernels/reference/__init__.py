@@ -10,7 +10,7 @@ simulation of the all-to-all), ``quant`` (NVFP4 / MXFP8 / MXFP4 and the scale la
 """
 
 from kernels.reference.permute import (gather_rows, permute_by_expert,  # noqa: F401
-                                       unpermute_and_reduce)
+                                       reduce_slots, unpermute_and_reduce)
 from kernels.reference.prepare import (local_send_plan, simulate_alltoall,  # noqa: F401
                                        simulate_combine, simulate_dispatch)
 from kernels.reference.quant import (dequantize_mxfp4, dequantize_mxfp8,  # noqa: F401

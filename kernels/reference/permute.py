@@ -154,9 +154,16 @@ def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,
     check_unpermute_inputs(expert_out, permutation, topk_weights)
     if check_values:
         check_unpermute_values(permutation)
+    return reduce_slots(expert_out, permutation.inverse, topk_weights)
+
+
+def reduce_slots(expert_out: torch.Tensor, inverse: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+    """The sum of :func:`unpermute_and_reduce` on checked tensors: ``inverse`` [T*k] int32 (the
+    permutation's), ``P = expert_out.shape[0]``; an entry outside ``[0, P)`` is not owned."""
     num_tokens, top_k = topk_weights.shape
     capacity = expert_out.shape[0]
-    inverse = permutation.inverse.reshape(num_tokens, top_k)
+    inverse = inverse.reshape(num_tokens, top_k)
     acc = torch.zeros((num_tokens, expert_out.shape[1]), dtype=torch.float32,
                       device=expert_out.device)
     for j in range(top_k if capacity > 0 else 0):  # P == 0: no slot can be owned

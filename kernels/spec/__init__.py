@@ -36,7 +36,8 @@ from kernels.spec.casting import (BITS_DTYPES, CANONICAL_NAN_BITS,  # noqa: F401
                                   round_to_dtype)
 from kernels.spec.permute import (UNPERMUTE_DTYPES, check_gather_inputs,  # noqa: F401
                                   check_gather_values, check_permute_inputs,
-                                  check_unpermute_inputs, check_unpermute_values,
+                                  check_inverse_values, check_unpermute_inputs,
+                                  check_unpermute_tensors, check_unpermute_values,
                                   local_expert_count, permutation_capacity)
 from kernels.spec.prepare import PREPARE_MAX_TOP_K, check_prepare_inputs  # noqa: F401
 from kernels.spec.quant import (DEQUANT_DTYPES, E2M1_MAX, E2M1_VALUES, E4M3_MAX,  # noqa: F401

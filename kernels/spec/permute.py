@@ -103,6 +103,26 @@ def check_gather_values(rows: torch.Tensor, num_tokens: int, top_k: int) -> None
 UNPERMUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def check_unpermute_tensors(expert_out: torch.Tensor, inverse: torch.Tensor,
+                            topk_weights: torch.Tensor) -> None:
+    """The checks of ``unpermute_and_reduce`` on its tensors alone (what the registered op,
+    which takes the permutation's ``inverse`` and ``P = expert_out.shape[0]``, can check; no
+    host sync): expert_out [P, H] and topk_weights [T, k] bf16/fp16/fp32 (any strides), the
+    int32 inverse [T*k] on their device."""
+    check_tensor("expert_out", expert_out, dtype=UNPERMUTE_DTYPES, ndim=2)
+    check_tensor("permutation.inverse", inverse, dtype=torch.int32, ndim=1,
+                 device=expert_out.device)
+    check_tensor("topk_weights", topk_weights, dtype=UNPERMUTE_DTYPES, ndim=2,
+                 device=expert_out.device)
+    _check_weight_pairs(topk_weights, inverse)
+
+
+def _check_weight_pairs(topk_weights: torch.Tensor, inverse: torch.Tensor) -> None:
+    if topk_weights.numel() != inverse.numel():
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} does not match the "
+                         f"permutation's T*k={inverse.numel()} pairs")
+
+
 def check_unpermute_inputs(expert_out: torch.Tensor, permutation: Permutation,
                            topk_weights: torch.Tensor) -> None:
     """Host-side checks of ``unpermute_and_reduce`` (every face; no host sync): expert_out
@@ -123,14 +143,16 @@ def check_unpermute_inputs(expert_out: torch.Tensor, permutation: Permutation,
     if topk_weights.shape[1] != permutation.top_k:
         raise ValueError(f"topk_weights has k={topk_weights.shape[1]} slots but the permutation "
                          f"was built with top_k={permutation.top_k}")
-    if topk_weights.numel() != permutation.inverse.numel():
-        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} does not match the "
-                         f"permutation's T*k={permutation.inverse.numel()} pairs")
+    _check_weight_pairs(topk_weights, permutation.inverse)
 
 
 def check_unpermute_values(permutation: Permutation) -> None:
     """The device-read check of ``unpermute_and_reduce`` (its ``check_values``; one host
     read): every entry of ``permutation.inverse`` is UNUSED (-1) or in ``[0, P)``."""
-    check_index_range("permutation.inverse", read_to_host(index_extremes(permutation.inverse)),
-                      permutation.source_rows.numel(), "P",
-                      hint="; pass the Permutation the rows were gathered with")
+    check_inverse_values(permutation.inverse, permutation.source_rows.numel())
+
+
+def check_inverse_values(inverse: torch.Tensor, capacity: int) -> None:
+    """:func:`check_unpermute_values` on the permutation's ``inverse`` and its capacity P."""
+    check_index_range("permutation.inverse", read_to_host(index_extremes(inverse)), capacity,
+                      "P", hint="; pass the Permutation the rows were gathered with")

@@ -1,0 +1,202 @@
+"""The ``torch.library`` registration of every public single-GPU op: one namespace, ``moe_a2a``.
+
+Each op has two overloads, one per face, so that ``torch.compile`` and serving engines see one
+operator with the library's contract (the faces accept the same arguments and return the same
+bits; ``kernels.spec``):
+
+``torch.ops.moe_a2a.<op>.triton``  the Triton launcher. With compiled Triton it is a
+                                   ``torch.library.triton_op``: its body launches the kernels
+                                   through ``wrap_triton``, so Inductor sees them, schedules
+                                   them and compiles them itself. Under ``TRITON_INTERPRET=1``
+                                   ``@triton.jit`` makes interpreted functions, which
+                                   ``wrap_triton`` cannot trace (a triton_op's fake and its
+                                   decomposition would run the interpreter on fake tensors), so
+                                   there the same body is an opaque ``custom_op``.
+``torch.ops.moe_a2a.<op>.torch``   the plain-torch oracle (``kernels.reference``), an opaque
+                                   ``custom_op`` (it reads values: boolean masks, sorts).
+
+Call an overload explicitly: where the two have the same schema (ops without a launch config)
+the packet ``torch.ops.moe_a2a.<op>(...)`` cannot tell them apart. The ``.triton`` overload
+takes the op's launch config unpacked into plain arguments (a schema cannot hold a dataclass),
+in the order of the config's fields (:func:`config_fields`).
+
+Every op has one fake (meta) implementation, shared by both overloads: the output shapes,
+strides and dtypes from the argument shapes alone (capacities are static: nothing depends on
+values). The ``out=`` form of ``quantize_nvfp4`` is its own op, ``quantize_nvfp4_out``, which
+declares the buffers it writes (``mutates_args``) and returns nothing (an op's result may not
+alias an input).
+
+The public functions (the launchers in ``kernels/<op>.py``, the stage functions in ``a2a/``)
+keep their signatures: they run the shared argument checks (shape, dtype and device reads only,
+which ``torch.compile`` traces), then call the op. In eager mode, with plain tensors and no
+dispatch mode active, they skip the dispatcher and run the op's launch directly
+(:func:`eager_bypass`): the same kernels with the same arguments, so the same bits, without the
+tens of microseconds a custom op's dispatch costs per call (the bench's ``ops`` stage measures
+the three: op, public function, raw launch). Under ``torch.compile`` (and any tracing, fake or
+functional tensors, a TorchDispatchMode) the op itself is called.
+
+Device-read checks (``check_values`` / ``check_ids``) read tensors on the host. Eagerly they run
+as before; while tracing they become calls of the opaque op ``moe_a2a::check_values``
+(:func:`run_value_check`), which reads the values when the compiled code runs and raises the
+same ValueError; it is registered as side-effecting so that no compiler removes it, and tagged
+``cudagraph_unsafe`` (a host read cannot be captured: pass ``check_values=False`` there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.library import custom_op, triton_op
+
+from kernels.hardware import interpreting
+
+NAMESPACE = "moe_a2a"
+TRITON = "triton"
+TORCH = "torch"
+FACES = (TRITON, TORCH)
+
+
+@dataclass(frozen=True)
+class RegisteredOp:
+    """One registered op: its name, its two overloads, the Triton face's function and its raw
+    launch.
+
+    triton: ``torch.ops.moe_a2a.<name>.triton``; torch: ``torch.ops.moe_a2a.<name>.torch``.
+    body: the function registered as ``triton`` (its kernels launched through
+        ``wrap_triton``): what ``torch.compile`` traces (tests trace it with ``make_fx``).
+    launch: the same function without the dispatcher and ``wrap_triton`` (the argument checks,
+        then the kernels launched directly): the same arguments and results; what the public
+        function's eager path runs after its own checks, and the bench's "raw" row.
+    """
+
+    name: str
+    triton: torch._ops.OpOverload
+    torch: torch._ops.OpOverload
+    body: Callable
+    launch: Callable
+
+    def overload(self, face: str) -> torch._ops.OpOverload:
+        """The overload of ``face`` ("triton" or "torch")."""
+        if face not in FACES:
+            raise ValueError(f"face={face!r} must be one of {FACES}")
+        return self.triton if face == TRITON else self.torch
+
+
+# Every op registered so far, by name (filled as the kernel modules are imported;
+# ``kernels.ops`` imports them all).
+REGISTERED: dict[str, RegisteredOp] = {}
+
+
+def register(name: str, *, triton: Callable, launch: Callable, torch_face: Callable,
+             fake: Callable, mutates_args: Sequence[str] = ()) -> RegisteredOp:
+    """Register ``moe_a2a::<name>.triton`` (``triton``) and ``moe_a2a::<name>.torch``
+    (``torch_face``), both with the fake ``fake``; ``launch`` is ``triton``'s body without the
+    dispatcher (see :class:`RegisteredOp`). The schemas come from the functions' annotations.
+
+    ``triton`` must launch every kernel as ``wrap_triton(<module-level kernel name>)[grid](...)``
+    in its own source or in functions it calls that are defined before this registration:
+    ``triton_op`` finds the kernels by reading that source (they key the compile cache)."""
+    if name in REGISTERED:
+        raise ValueError(f"op {NAMESPACE}::{name} is registered twice")
+    qualname = f"{NAMESPACE}::{name}"
+    mutates = tuple(mutates_args)
+    if interpreting():
+        triton_def = custom_op(f"{qualname}.{TRITON}", triton, mutates_args=mutates)
+    else:
+        triton_def = triton_op(f"{qualname}.{TRITON}", triton, mutates_args=mutates)
+    triton_def.register_fake(fake)  # replaces triton_op's body-as-fake: one fake per op
+    torch_def = custom_op(f"{qualname}.{TORCH}", torch_face, mutates_args=mutates)
+    torch_def.register_fake(fake)
+    packet = getattr(getattr(torch.ops, NAMESPACE), name)
+    op = RegisteredOp(name=name, triton=getattr(packet, TRITON), torch=getattr(packet, TORCH),
+                      body=triton, launch=launch)
+    REGISTERED[name] = op
+    return op
+
+
+def check_config_parameters(fn: Callable, config_cls: type) -> None:
+    """Raise TypeError unless the last parameters of the op function ``fn`` are the fields of
+    the launch config class ``config_cls``, by name and in order (so that a field added to the
+    config cannot be dropped silently on its way through the op)."""
+    names = [field.name for field in dataclasses.fields(config_cls)]
+    params = list(inspect.signature(fn).parameters)[-len(names):]
+    if params != names:
+        raise TypeError(f"{fn.__name__} takes {params} as its launch parameters but "
+                        f"{config_cls.__name__} has the fields {names}: make the op's trailing "
+                        f"parameters the config's fields")
+
+
+def config_fields(config) -> tuple:
+    """The values of a frozen launch config's fields, in field order: the trailing arguments
+    of a ``.triton`` overload (rebuild the config with ``type(config)(*values)``)."""
+    return tuple(getattr(config, field.name) for field in dataclasses.fields(config))
+
+
+def eager_bypass(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a public function may run its op's launch directly instead of calling the op:
+    not being traced (``torch.compile``, export), no TorchDispatchMode active (a profiler by op
+    name, fake or functional tensors), and plain tensors (no subclass). The launch is then
+    exactly the op's, so the results are the same bits.
+
+    Why a bypass rather than a cheaper registration: an op defined on a
+    ``torch.library.Library`` fragment with a ``CompositeExplicitAutograd`` kernel costs a
+    fraction of a ``custom_op``'s dispatch, but has no ``triton_op`` form, so Inductor would not
+    see (nor the compile cache hash) the kernels; docs/design.md, "Registered ops"."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return True
+
+
+# =============================================================================================
+# Device-read checks as an op
+# =============================================================================================
+
+# name -> the check (reads tensors on the host, raises ValueError); filled by the kernel
+# modules with :func:`register_value_check`.
+VALUE_CHECKS: dict[str, Callable[..., None]] = {}
+
+
+def register_value_check(name: str, check: Callable[..., None]) -> None:
+    """Register ``check(*tensors, *sizes)``, the device-read check called ``name``."""
+    if name in VALUE_CHECKS:
+        raise ValueError(f"value check {name!r} is registered twice")
+    VALUE_CHECKS[name] = check
+
+
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+@custom_op(f"{NAMESPACE}::check_values", mutates_args=(),
+           tags=(_CUDAGRAPH_UNSAFE,) if _CUDAGRAPH_UNSAFE is not None else ())
+def check_values_op(check: str, tensors: list[Optional[torch.Tensor]],
+                    sizes: list[int]) -> None:
+    """Run the device-read check ``check`` (one host read) on ``tensors`` and ``sizes``;
+    raises its ValueError. Returns nothing: registered as side-effecting, so that dead-code
+    elimination keeps it."""
+    VALUE_CHECKS[check](*tensors, *sizes)
+
+
+@check_values_op.register_fake
+def _check_values_fake(check, tensors, sizes):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.moe_a2a.check_values.default)
+
+
+def run_value_check(check: str, tensors: Sequence[Optional[torch.Tensor]],
+                    sizes: Sequence[int]) -> None:
+    """The device-read check ``check``: called directly in eager mode (:func:`eager_bypass`),
+    through ``moe_a2a::check_values`` while tracing (the values are then read when the
+    compiled code runs)."""
+    if eager_bypass(*tensors):
+        VALUE_CHECKS[check](*tensors, *sizes)
+    else:
+        torch.ops.moe_a2a.check_values(check, list(tensors), list(sizes))
