@@ -26,6 +26,8 @@ device turned off, ``check_ids=False`` and ``check_values=False``: no host sync,
 graph captures the whole chain),
 ``triton_compiled`` (the same chain under ``torch.compile(fullgraph=True)``, default mode:
 Inductor launches the registered ops' kernels itself; timed by eager calls, GPU only),
+``triton_compiled_graph`` (that compiled chain captured and replayed as one CUDA graph, as a
+serving engine runs a compiled decode step; GPU only),
 ``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
 step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
 permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
@@ -75,8 +77,10 @@ LAUNCH_COUNT_CALLS = 3
 # Salts of bench.stages.generator: the stage's inputs, then replay r's fresh inputs (SALT + r).
 INPUT_SALT = 40
 ROUTING_METHOD = "deepseek_v3"
-# The row of the chain compiled by torch.compile (:class:`CompiledChain`).
+# The rows of the chain compiled by torch.compile (:class:`CompiledChain`): timed by eager calls,
+# and captured and replayed as one CUDA graph.
 COMPILED_BACKEND = "triton_compiled"
+COMPILED_GRAPH_BACKEND = "triton_compiled_graph"
 # The token counts whose chain time has a target (bench/targets.py).
 TARGET_TOKENS = (16, 64, 256, 2048)
 
@@ -213,6 +217,10 @@ class CompiledChain(DecodeChain):
 
     def __init__(self, steps: ChainSteps, inputs: dict, shape: dict):
         super().__init__(steps, inputs, shape)
+        # Every shape of the stage compiles the same method anew (dynamic=False): dynamo's
+        # cache of it is cleared first, so that the sweep's shapes do not add up to its
+        # recompile limit.
+        torch._dynamo.reset()
         self.compiled = torch.compile(super().__call__, fullgraph=True, dynamic=False)
 
     def __call__(self) -> DecodeOutputs:
@@ -412,7 +420,7 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     device = inputs["x"].device
 
     def chain_path(backend: str, routing_backend: str, timed: str,
-                   compiled: bool = False) -> Path:
+                   compiled: bool = False, graphed: bool = True) -> Path:
         holder: dict = {}
 
         def factory():
@@ -429,7 +437,7 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
         def check(out, ref, checked_inputs, checked_shape) -> str:
             remark = check_chain(out, ref, checked_inputs, checked_shape, near_ties=near_ties)
-            if device.type != "cuda" or compiled:
+            if device.type != "cuda" or (compiled and not graphed):
                 return remark  # no CUDA graph in the interpreter; the compiled row runs eagerly
             chain = holder["chain"]
             near = check_replays(chain, graph_replayer(chain), inputs, REPLAY_CHECKS,
@@ -439,8 +447,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 replays += f" ({near} near-tie row(s) picked another id set)"
             return "; ".join(part for part in (remark, replays) if part)
 
-        # the compiled chain is timed by eager calls (its own launches, not a CUDA graph)
-        path = make_path(backend, factory, capture_safe=not compiled, timed=timed, check=check)
+        # graphed: timed by CUDA-graph replay (no host sync in the chain); else by eager calls
+        path = make_path(backend, factory, capture_safe=graphed, timed=timed, check=check)
         if path.run is None:
             return path
         return dataclasses.replace(
@@ -454,7 +462,10 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
             chain_path(COMPILED_BACKEND, "triton",
                        "timed: the triton row's chain under torch.compile(fullgraph=True), "
                        "default mode (Inductor, no CUDA graphs), dynamic=False, eager calls",
-                       compiled=True),
+                       compiled=True, graphed=False),
+            chain_path(COMPILED_GRAPH_BACKEND, "triton",
+                       "timed: the triton_compiled chain captured and replayed as one CUDA "
+                       "graph", compiled=True),
             chain_path("flashinfer_routing", "flashinfer",
                        "timed: the chain with FlashInfer's fused_topk_deepseek as its routing "
                        "step, the other steps Triton"),

@@ -114,10 +114,12 @@ class Sweep:
 DEFAULT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(4096, 7168),
                       experts=(64, 256), top_k=(4, 8), routing=("uniform", "skewed"),
                       extra_shapes=True)
-# DeepSeek-V3 shapes only (H=7168, E=256, k=8) over the token counts, both routings, plus the
-# target shapes: about a quarter of the default, sized to finish in one GPU call.
-DEEPSEEK_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(7168,), experts=(256,),
-                       top_k=(8,), routing=("uniform", "skewed"), extra_shapes=True)
+# DeepSeek-V3 shapes only (H=7168, E=256, k=8) over the token counts (with the decode sizes 64
+# and 256 of the routing and permute targets), both routings, plus the target shapes: about a
+# third of the default, sized to finish in one GPU call.
+DEEPSEEK_SWEEP = Sweep(tokens=(1, 16, 64, 128, 256, 512, 2048, 8192), hidden=(7168,),
+                       experts=(256,), top_k=(8,), routing=("uniform", "skewed"),
+                       extra_shapes=True)
 # The Triton transport's targets (E=32, k=8, H=7168) over every token count: dispatch and combine.
 TRANSPORT_SWEEP = Sweep(tokens=(1, 16, 128, 512, 2048, 8192), hidden=(7168,), experts=(32,),
                         top_k=(8,), routing=("uniform",), extra_shapes=True)

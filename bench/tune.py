@@ -250,11 +250,15 @@ def permute_variants(num_pairs: int) -> list:
     the one-launch form (one-hot ranks)."""
     from kernels import permute as K
     single = [K.PermuteLaunch(form="single"),
-              K.PermuteLaunch(form="single", single_warps=4),
+              K.PermuteLaunch(form="single", single_warps=2),
               K.PermuteLaunch(form="single", single_warps=16),
               K.PermuteLaunch(form="single", single_programs=64),
               K.PermuteLaunch(form="single", single_programs=256),
-              K.PermuteLaunch(form="single", single_fill=8192)]
+              K.PermuteLaunch(form="single", single_fill=8192),
+              K.PermuteLaunch(form="single", single_chunk=256),
+              K.PermuteLaunch(form="single", single_chunk=512),
+              K.PermuteLaunch(form="single", single_chunk=1024),
+              K.PermuteLaunch(form="single", single_warps=8)]
     three = [K.PermuteLaunch(form="three_pass"),
              K.PermuteLaunch(form="three_pass", block_pairs=256),
              K.PermuteLaunch(form="three_pass", place_warps=4),

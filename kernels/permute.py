@@ -66,9 +66,11 @@ class PermuteLaunch:
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
-        single_chunk: ids read per step (at least 32 per warp): every program reads all T*k
-            ids in steps of this many, so the tile does not depend on T (one compiled kernel
-            for every batch); the slices are sized for the form's most pairs.
+        single_chunk: ids read per step (at least 32 per warp, at most the form's most pairs
+            rounded up to a power of two): every program reads all T*k ids in steps of this
+            many, so the tile does not depend on T (one compiled kernel for every batch); the
+            slices are sized for the form's most pairs. The default reads them all in one
+            step wherever the rule picks this form.
     Three-pass form:
         block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
             pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
@@ -87,7 +89,7 @@ class PermuteLaunch:
     single_programs: int = 128
     single_warps: int = 4
     single_fill: int = 2048
-    single_chunk: int = 256
+    single_chunk: int = 2048
     block_pairs: int = 128
     scan_blocks: int = 512
     expert_chunk: int = 8
@@ -403,14 +405,15 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
                    traced: bool):
     num_pairs = topk_ids.numel()
     warps = launch.single_warps
-    # at least one id per thread: no replicated layout under the histogram
-    chunk = max(launch.single_chunk, 32 * warps)
     if num_pairs * num_local_experts >= 2**30:
         raise ValueError(f"T*k={num_pairs} pairs over E_local={num_local_experts} experts are too "
                          f"many for the one-launch form's int32 keys; use "
                          f"PermuteLaunch(form='three_pass') or the default rule")
-    # The slice from the most pairs the rule gives this form (static, not T*k).
+    # The slice and the chunk from the most pairs the rule gives this form (static, not T*k):
+    # the chunk no wider than those pairs, and at least one id per thread (no replicated
+    # layout under the histogram).
     most = launch.single_limit(num_local_experts)
+    chunk = max(min(launch.single_chunk, triton.next_power_of_2(most)), 32 * warps)
     slice_pairs = max(8, min(triton.next_power_of_2(triton.cdiv(most, launch.single_programs)),
                              SINGLE_COMPARE_TILE // chunk))
     programs = torch.sym_max(1 + triton.cdiv(num_pairs, slice_pairs),
