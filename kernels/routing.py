@@ -152,7 +152,9 @@ class RoutingLaunch:
         round waits for; ``WEIGHTS_LOAD_EACH``: one load a round, issued as the round ends).
     reciprocal: the sigmoid's IEEE division on a GPU (``RECIP_DIV_RN``: div.rn, a branch per
         value; ``RECIP_FMA``: its fast path written out, div.rn only where a thread's
-        denominators reach ``FAST_RECIPROCAL_LIMIT``; the same bits either way).
+        denominators reach ``FAST_RECIPROCAL_LIMIT``; the same bits either way). A traced
+        launch (the registered op under torch.compile) takes ``RECIP_DIV_RN``: Inductor cannot
+        analyse the written-out form's ``tl.map_elementwise``.
     group_top2: how DeepSeek-V3 finds each group's two best keys (``TOP2_COUNT``: a max, then
         the copies of it and the max below it; ``TOP2_PAIRS``: one reduction of pairs).
     """
@@ -781,6 +783,11 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
                                 or scan_columns > 512):
         keys = KEYS_SPLIT32
     kernel = wrap_triton(_route_topk_kernel) if traced else _route_topk_kernel
+    # Traced (Inductor compiles the kernel): div.rn instead of its written-out fast path, the
+    # same bits. Inductor's analysis of which arguments a user kernel writes cannot read
+    # tl.map_elementwise (the written-out form's rare-case branch); it would then take every
+    # argument as written and copy the inputs around the kernel.
+    reciprocal = RECIP_DIV_RN if traced else launch.reciprocal
     kernel[grid](
         logits, bias, ids, weights,
         num_tokens, logits.stride(0), logits.stride(1), float(routed_scaling),
@@ -793,7 +800,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         GROUP_SELECT=launch.group_select if grouped else GROUP_ROUNDS,
         WEIGHTS_FROM=launch.weights_from,
         SELECT_BIASED_SIGMOID=select_biased, WEIGHTS=weight_rule,
-        PRECISE_MATH=not interpreting(), RECIPROCAL=launch.reciprocal,
+        PRECISE_MATH=not interpreting(), RECIPROCAL=reciprocal,
         SIGMOID_PACK=_values_per_check(rows_per_program * groups_pad * group_pad,
                                        launch.num_warps),
         COMPACT_PACK=_values_per_check(rows_per_program * keep_pad * group_pad, launch.num_warps),
