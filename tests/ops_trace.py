@@ -7,9 +7,11 @@ whose target is sm_90 (generating a kernel's TTIR needs a target, not a GPU; not
 launched or compiled to a cubin), and checks two things:
 
 ``--check mutation``  Inductor's mutation analysis (``identify_accessed_tensors``, what decides
-    which kernel arguments a compiled graph clones or copies back) of every kernel variant the
-    ops launch, through ``tests.sm_compile.launch_everything()`` run under a TorchDispatchMode
-    (which turns the public functions' eager path off, so every launch comes from an op body):
+    which kernel arguments a compiled graph clones or copies back) of the first launch of
+    each (op, kernel) pair, each op's default (``--every-variant``: every flag variant, tens
+    of minutes on a CPU), through ``tests.sm_compile.launch_everything()`` run under a
+    TorchDispatchMode (which turns the public functions' eager path off, so every launch
+    comes from an op body):
     the analysis must succeed (no "every argument written" fallback) and must not count any
     input of the op as written, except the op's declared mutable arguments.
 ``--check guards``    the op bodies traced by ``make_fx`` with T dynamic at T=16 (and, where
@@ -80,7 +82,11 @@ class OpInputs(TorchDispatchMode):
             self.stack.pop()
 
 
-def check_mutation() -> list[str]:
+def check_mutation(every_variant: bool = False) -> list[str]:
+    """Inductor's mutation analysis of the kernels the ops launch: the first launch of each
+    (op, kernel) pair (``launch_everything`` launches each op's default first), or, with
+    ``every_variant``, every distinct set of the kernel's constexpr flags (slow: a TTIR per
+    variant)."""
     from torch._higher_order_ops import triton_kernel_wrap as tkw
 
     logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
@@ -96,7 +102,7 @@ def check_mutation() -> list[str]:
         bound.update(kwargs)
         flags = tuple((k, v) for k, v in sorted(bound.items())
                       if k.isupper() and isinstance(v, (bool, int, str)))
-        key = (op, self.__name__, flags)
+        key = (op, self.__name__, flags) if every_variant else (op, self.__name__)
         if key in seen:
             return None
         seen.add(key)
@@ -237,9 +243,13 @@ def check_guards() -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", choices=("mutation", "guards"), required=True)
+    parser.add_argument("--every-variant", action="store_true",
+                        help="mutation: analyse every flag variant of each kernel, not only "
+                             "the first launch of each (op, kernel) (tens of minutes)")
     args = parser.parse_args(argv)
     triton.runtime.driver.set_active(StandInDriver())
-    failures = check_mutation() if args.check == "mutation" else check_guards()
+    failures = (check_mutation(args.every_variant) if args.check == "mutation"
+                else check_guards())
     for failure in failures:
         print(f"FAILED: {failure}")
     sys.exit(1 if failures else 0)

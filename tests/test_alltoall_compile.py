@@ -78,24 +78,27 @@ def assert_same(got, want, what) -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (what, index)
 
 
-def compile_and_compare(step, rank, device, backend, warm, more, **compile_kwargs) -> int:
+def compile_and_compare(step, rank, device, backend, warm, more, make_inputs=None,
+                        **compile_kwargs):
     """Compile ``step``; run warm then more T (more under fail_on_recompile), each compared
-    with the eager step on the same inputs. Returns the number of compiled frames."""
+    with the eager step on the same inputs (``make_inputs(rank, tokens, device)``, default
+    :func:`inputs`). Returns the number of compiled frames and the compiled step."""
+    make_inputs = inputs if make_inputs is None else make_inputs
     torch._dynamo.reset()
     counter = (torch._dynamo.testing.CompileCounterWithBackend(backend)
                if backend != "eager" else torch._dynamo.testing.CompileCounter())
     compiled = torch.compile(step, backend=counter, fullgraph=True, **compile_kwargs)
     for tokens in warm:
-        args = inputs(rank, tokens, device)
+        args = make_inputs(rank, tokens, device)
         assert_same(compiled(*args), step(*args), (backend, tokens))
     torch.compiler.set_stance("fail_on_recompile")
     try:
         for tokens in more:
-            args = inputs(rank, tokens, device)
+            args = make_inputs(rank, tokens, device)
             assert_same(compiled(*args), step(*args), (backend, tokens))
     finally:
         torch.compiler.set_stance("default")
-    return counter.frame_count
+    return counter.frame_count, compiled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +111,7 @@ def _compiled_step_body(rank: int, world_size: int) -> None:
     a2a.allocate(dtypes=(torch.bfloat16,), quant=("nvfp4", "mxfp8"))
     step = make_step(a2a, torch.tensor([GLOBAL_SCALE]))
     for backend in ("eager", "aot_eager"):
-        frames = compile_and_compare(step, rank, "cpu", backend, WARM_T, MORE_T)
+        frames, _ = compile_and_compare(step, rank, "cpu", backend, WARM_T, MORE_T)
         assert frames == len(WARM_T), (backend, frames)
     explained = torch._dynamo.explain(step)(*inputs(rank, 5, "cpu"))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
@@ -128,7 +131,7 @@ def _inductor_body(rank: int, world_size: int) -> None:
     with MoEAlltoall(None, E, K, N, H, backends=TORCH_BACKENDS, agree=False) as a2a:
         a2a.allocate(dtypes=(torch.bfloat16,), quant=("nvfp4", "mxfp8"))
         step = make_step(a2a, torch.tensor([GLOBAL_SCALE]))
-        frames = compile_and_compare(step, rank, "cpu", "inductor", (5,), (3, 8))
+        frames, _ = compile_and_compare(step, rank, "cpu", "inductor", (5,), (3, 8))
         assert frames == 1, frames
 
 
@@ -312,23 +315,8 @@ def _triton_compiled_body(rank: int, world_size: int, config_name: str) -> None:
         torch.compile(step, backend="eager", fullgraph=True)(*gpu_inputs(rank, 4, device))
     a2a.allocate(dtypes=(torch.bfloat16,), quant=("nvfp4", "mxfp8"))
 
-    def compare(compiled_step, backend, warm, more):
-        torch._dynamo.reset()
-        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-        compiled = torch.compile(compiled_step, backend=counter, fullgraph=True)
-        for tokens in warm:
-            args = gpu_inputs(rank, tokens, device)
-            assert_same(compiled(*args), step(*args), (backend, tokens))
-        torch.compiler.set_stance("fail_on_recompile")
-        try:
-            for tokens in more:
-                args = gpu_inputs(rank, tokens, device)
-                assert_same(compiled(*args), step(*args), (backend, tokens))
-        finally:
-            torch.compiler.set_stance("default")
-        return counter.frame_count, compiled
-
-    frames, compiled = compare(step, "inductor", GPU_WARM_T, GPU_MORE_T)
+    frames, compiled = compile_and_compare(step, rank, device, "inductor", GPU_WARM_T,
+                                           GPU_MORE_T, make_inputs=gpu_inputs)
     assert frames == len(GPU_WARM_T), frames
     explained = torch._dynamo.explain(step)(*gpu_inputs(rank, 16, device))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \

@@ -381,7 +381,9 @@ def test_nvfp4_programs_walk_several_tiles(device, seed, max_blocks, steps, pref
     uneven split leaves masked steps past the last block. Tiny tiles, and no minimum grid size
     (0 stand-in SMs: the launch rule keeps all the steps), make that happen here."""
     launch = Q.NVFP4Launch(max_blocks=max_blocks, steps=steps, prefetch=prefetch, num_sms=0)
-    assert Q.nvfp4_steps(1, 7, device, launch) == triton.cdiv(7, triton.cdiv(7, min(steps, 7)))
+    col_tiles = triton.cdiv(7, max_blocks)
+    assert Q.nvfp4_tile_shape(1, 7, device, launch)[3] == triton.cdiv(
+        col_tiles, triton.cdiv(col_tiles, min(steps, col_tiles)))
     x = _hard_input(37, 112, torch.bfloat16, device)  # 7 blocks per row
     gs = R.nvfp4_global_scale(x)
     rows = torch.tensor([36, 0, 5, 5, 17, 30, 2, 9, 11], dtype=torch.int32, device=device)
@@ -393,13 +395,22 @@ def test_nvfp4_programs_walk_several_tiles(device, seed, max_blocks, steps, pref
 
 
 def test_steps_rule():
-    """Tiles per program: NVFP4_STEPS at most, fewer while the grid is under 2 programs per
-    SM (4 stand-in SMs on CPU), spread evenly."""
+    """Tiles per program, in two buckets of M (a traced M compiles once per bucket): the
+    config's rows and up to ``steps`` column tiles, spread evenly, where that grid has 2
+    programs per SM (4 stand-in SMs on CPU: 8 programs); else one row and one tile."""
     cpu = torch.device("cpu")
     rule = Q.DEFAULT_NVFP4
-    assert Q.nvfp4_steps(2048, 7, cpu, rule) == min(rule.steps, 7)
-    assert Q.nvfp4_steps(2, 7, cpu, rule) == 2  # 2 rows of programs: 4 programs of 2, 2, 2, 1
-    assert Q.nvfp4_steps(100, 1, cpu, rule) == 1 and Q.nvfp4_steps(1, 0, cpu, rule) == 1
+    tile_rows = rule.tile_elements // (rule.max_blocks * 16)
+    # 7 column tiles of 64 blocks: 8 steps would be 7 (one program per row of tiles)
+    assert Q.nvfp4_tile_shape(2048, 7 * 64, cpu, rule) == (tile_rows, 64, rule.num_warps, 7)
+    # 7 tiles in at most 8 steps over 64 rows: 32 programs of 2 rows and 7 tiles
+    assert Q.nvfp4_tile_shape(64, 7 * 64, cpu, rule)[3] == 7
+    # 2 rows: one program per row and tile (14 programs), not 2 x 7 tiles (1 program)
+    assert Q.nvfp4_tile_shape(2, 7 * 64, cpu, rule)[::3] == (1, 1)
+    assert Q.nvfp4_tile_shape(100, 64, cpu, rule)[3] == 1  # one tile: one step
+    assert Q.nvfp4_tile_shape(1, 0, cpu, rule)[3] == 1
+    # uneven: 10 tiles in at most 8 steps are 2 programs of 5, not 8 + 2
+    assert Q.nvfp4_tile_shape(2048, 10 * 64, cpu, rule)[3] == 5
 
 
 def test_launch_rule_shrinks_tiles_for_small_m():
