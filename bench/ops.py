@@ -89,7 +89,7 @@ def op_call(name: str, device: torch.device, tokens: int, hidden: int, experts: 
     if name == "route_topk":
         args = (logits, top_k, "deepseek_v3", bias, DEEPSEEK_GROUPS, DEEPSEEK_TOPK_GROUPS,
                 DEEPSEEK_SCALING)
-        return OpCall(args + config_fields(RT.DEFAULT_ROUTING), args,
+        return OpCall(args + config_fields(RT.default_launch()), args,
                       lambda: RT.route_topk(logits, top_k, "deepseek_v3", **options),
                       lambda: reference.route_topk(logits, top_k, "deepseek_v3", **options), 2,
                       tolerant=(1,))
