@@ -2,7 +2,7 @@
 
 Same signature and result as ``kernels.reference.local_send_plan``; deterministic (ascending
 token order inside every rank's segment, no dependence on the order of atomics). Two launches
-over blocks of ``BLOCK_T`` tokens:
+over blocks of ``BLOCK_T`` tokens (one where a single block holds every token, below):
 
 1. ``_count_kernel``: per block, the number of its tokens sent to each rank, the histogram of
    its slot ids, and the flat position of its first id outside ``[0, S]`` (the device-side
@@ -11,6 +11,11 @@ over blocks of ``BLOCK_T`` tokens:
    blocks before it and over the ranks before each rank, and writes its tokens' send and
    backward indices there; it also sums a slice of the histograms, fills the UNUSED tail, and
    program 0 reduces the range check to one int32 (``NO_BAD_POSITION`` when all ids are good).
+
+Where one block holds N = max_tokens_per_rank tokens (N <= BLOCK_T: up to 512 tokens for
+R <= 8, the decode batches), ``_single_plan_kernel`` does both passes in one launch: the block's
+counts are the per-rank totals, so no program needs another's (one launch less in a decode
+step).
 
 Worked example (R = 2, S = 4 so rank 0 owns ids {0, 1}, k = 2, BLOCK_T = 2, T = 4):
 ``topk_ids = [[0, 2], [1, 0], [3, 2], [2, 1]]``
@@ -68,6 +73,21 @@ def _first_slot_step(first, ids, slot, ranks, ep_size, slots_per_rank, TOP_K: tl
     owner = tl.where(ids >= 0, ids // slots_per_rank, ep_size)
     match = (owner[:, None] == ranks[None, :]) & (ranks < ep_size)[None, :] & (first == TOP_K)
     return tl.where(match, slot, first)
+
+
+@triton.jit
+def _fill_tail(send_indices_ptr, backward_ptr, program, total, index_len,
+               TAIL_BLOCK: tl.constexpr, TAIL_CHUNK: tl.constexpr):
+    """UNUSED past the ``total`` sent entries of both index buffers: program p covers
+    [p * TAIL_CHUNK, (p + 1) * TAIL_CHUNK) (the grid has enough programs for index_len; a
+    static loop: the interpreter has no runtime ranges)."""
+    for step in tl.static_range(TAIL_CHUNK // TAIL_BLOCK):
+        offsets = program * TAIL_CHUNK + step * TAIL_BLOCK + tl.arange(0, TAIL_BLOCK)
+        tail_mask = (offsets >= total) & (offsets < index_len)
+        tl.store(send_indices_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
+                 mask=tail_mask)
+        tl.store(backward_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
+                 mask=tail_mask)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -140,22 +160,59 @@ def _index_kernel(topk_ids_ptr, scratch_ptr, send_counts_ptr, send_cumsum_ptr,
         tl.store(send_indices_ptr + position, token_grid, mask=hit != 0)
         tl.store(backward_ptr + position, token_grid * TOP_K + first, mask=hit != 0)
 
-    # UNUSED past the total: program p covers [p * TAIL_CHUNK, (p + 1) * TAIL_CHUNK) (the grid
-    # has enough programs for index_len; static loop, the interpreter has no runtime ranges).
-    total = tl.sum(totals, axis=0)
-    for step in tl.static_range(TAIL_CHUNK // TAIL_BLOCK):
-        offsets = block * TAIL_CHUNK + step * TAIL_BLOCK + tl.arange(0, TAIL_BLOCK)
-        tail_mask = (offsets >= total) & (offsets < index_len)
-        tl.store(send_indices_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
-                 mask=tail_mask)
-        tl.store(backward_ptr + offsets, tl.full((TAIL_BLOCK,), UNUSED_ID, tl.int32),
-                 mask=tail_mask)
+    _fill_tail(send_indices_ptr, backward_ptr, block, tl.sum(totals, axis=0), index_len,
+               TAIL_BLOCK, TAIL_CHUNK)
 
     # This program's slice of the histogram sum over blocks (the grid covers S in BINS steps).
     bins = block * BINS + tl.arange(0, BINS)
     hist = tl.load(scratch_ptr + hist_offset + blocks[:, None] * num_slots + bins[None, :],
                    mask=block_ok[:, None] & (bins[None, :] < num_slots), other=0)
     tl.store(expert_counts_ptr + bins, tl.sum(hist, axis=0), mask=bins < num_slots)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _single_plan_kernel(topk_ids_ptr, scratch_ptr, send_counts_ptr, send_cumsum_ptr,
+                        send_indices_ptr, backward_ptr, expert_counts_ptr, num_tokens, ep_size,
+                        slots_per_rank, num_slots, index_len, error_offset,
+                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, R_PAD: tl.constexpr,
+                        S_PAD: tl.constexpr, FLAT: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+                        TAIL_CHUNK: tl.constexpr):
+    # Both passes in one launch, for a configuration whose one block holds every token
+    # (N <= BLOCK_T): that block's counts are the per-rank totals, so no program waits for
+    # another's. Program 0 writes the plan, the histogram and the range-check word
+    # scratch[error_offset]; every program fills its stretch of the UNUSED tail.
+    program = tl.program_id(0)
+    tokens = tl.arange(0, BLOCK_T)
+    ranks = tl.arange(0, R_PAD)
+    rank_ok = ranks < ep_size
+    first = tl.full((BLOCK_T, R_PAD), TOP_K, tl.int32)
+    for j in tl.static_range(TOP_K):
+        ids = tl.load(topk_ids_ptr + tokens * TOP_K + j, mask=tokens < num_tokens,
+                      other=num_slots)
+        first = _first_slot_step(first, ids, j, ranks, ep_size, slots_per_rank, TOP_K)
+    hit = (first < TOP_K).to(tl.int32)
+    totals = tl.sum(hit, axis=0)                                                 # [R_PAD]
+    rank_end = tl.cumsum(totals, axis=0)
+    if program == 0:
+        position = (rank_end - totals)[None, :] + tl.cumsum(hit, axis=0) - hit
+        token_grid = tokens[:, None] + 0 * ranks[None, :]
+        tl.store(send_indices_ptr + position, token_grid, mask=hit != 0)
+        tl.store(backward_ptr + position, token_grid * TOP_K + first, mask=hit != 0)
+        tl.store(send_counts_ptr + ranks, totals, mask=rank_ok)
+        tl.store(send_cumsum_ptr + ranks, rank_end, mask=rank_ok)
+        pairs = tl.arange(0, FLAT)
+        pair_ok = pairs < num_tokens * TOP_K
+        flat_ids = tl.load(topk_ids_ptr + pairs, mask=pair_ok, other=0)
+        in_range = (flat_ids >= 0) & (flat_ids <= num_slots)
+        counted = pair_ok & in_range & (flat_ids < num_slots)  # the padding id S is not counted
+        bins = tl.arange(0, S_PAD)
+        tl.store(expert_counts_ptr + bins,
+                 tl.histogram(tl.where(counted, flat_ids, 0), S_PAD, mask=counted),
+                 mask=bins < num_slots)
+        tl.store(scratch_ptr + error_offset,
+                 tl.min(tl.where(pair_ok & (in_range == 0), pairs, NO_BAD_ID), axis=0))
+    _fill_tail(send_indices_ptr, backward_ptr, program, tl.sum(totals, axis=0), index_len,
+               TAIL_BLOCK, TAIL_CHUNK)
 
 
 # The [BLOCK_T, R_PAD] first-slot tile is the largest register tile: ~4096 elements keeps it
@@ -194,6 +251,7 @@ class PlanConfig(NamedTuple):
     bad_offset: int
     error_offset: int
     pieces: tuple         # one int32 buffer split into the outputs and the scratch, see below
+    single: bool          # one block holds N tokens: one launch (_single_plan_kernel)
 
 
 def carve(sizes) -> tuple[tuple[int, ...], int]:
@@ -234,17 +292,28 @@ def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanCo
         nb_pad=triton.next_power_of_2(max_blocks),
         bins=triton.next_power_of_2(triton.cdiv(slots, index_programs)),
         hist_offset=hist_offset, bad_offset=bad_offset, error_offset=error_offset,
-        pieces=pieces)
+        pieces=pieces, single=max_blocks == 1)
 
 
 def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Tensor,
                   ep_size: int, max_tokens: int, slots: int, traced: bool) -> None:
-    """The two launches into ``plan``'s tensors and ``scratch`` (contiguous, validated
-    ``topk_ids``); ``traced``: through ``wrap_triton`` (the op's body), else the kernels."""
+    """The launches into ``plan``'s tensors and ``scratch`` (contiguous, validated
+    ``topk_ids``): one where a single block holds N tokens (``PlanConfig.single``), else two;
+    ``traced``: through ``wrap_triton`` (the op's body), else the kernels."""
     num_tokens, top_k = topk_ids.shape
     cfg = static_config(max_tokens, ep_size, top_k, slots)
     num_blocks = torch.sym_max(1, triton.cdiv(num_tokens, cfg.block_t))
     slots_per_rank = slots // ep_size
+    if cfg.single:  # every T <= N is one block: its counts are the totals
+        single = wrap_triton(_single_plan_kernel) if traced else _single_plan_kernel
+        single[(cfg.index_programs,)](
+            topk_ids, scratch, plan.send_counts, plan.send_rank_count_cumsum,
+            plan.send_rank_local_indices, plan.backward_recv_rank_local_indices,
+            plan.expert_counts, num_tokens, ep_size, slots_per_rank, slots,
+            max_tokens * ep_size, cfg.error_offset, TOP_K=top_k, BLOCK_T=cfg.block_t,
+            R_PAD=cfg.r_pad, S_PAD=cfg.s_pad, FLAT=cfg.flat, TAIL_BLOCK=TAIL_BLOCK,
+            TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS)
+        return
     count = wrap_triton(_count_kernel) if traced else _count_kernel
     index = wrap_triton(_index_kernel) if traced else _index_kernel
     count[(num_blocks,)](
@@ -262,7 +331,7 @@ def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Te
 
 def launch_local_plan(topk_ids: torch.Tensor, ep_size: int, max_tokens: int,
                       slots: int) -> tuple[LocalSendPlan, torch.Tensor]:
-    """The two launches, on already validated inputs (no host sync); the plan's tensors and the
+    """The launches, on already validated inputs (no host sync); the plan's tensors and the
     scratch are views of one int32 allocation.
 
     Returns the plan and the int32 scratch whose word ``plan_config(...).error_offset`` holds
@@ -389,7 +458,8 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
                          outside ``[0, S]`` are then treated as padding.
     Returns a :class:`LocalSendPlan` equal field for field to the reference's: ascending token
     ids per destination segment, ``token*k + first slot`` backward indices, UNUSED tails,
-    ``expert_counts [S]``. Two launches, no host sync when ``check_ids=False``. Runs the
+    ``expert_counts [S]``. Two launches (one where N <= BLOCK_T), no host sync when
+    ``check_ids=False``. Runs the
     registered op ``moe_a2a::local_send_plan.triton`` (directly in eager mode:
     ``kernels.library``).
     """

@@ -36,6 +36,31 @@ def test_equals_reference(device, num_tokens, ep_size, route):
     assert_plans_equal(got, want)
 
 
+@pytest.mark.parametrize("num_tokens,ep_size,route",
+                         list(itertools.product([0, 1, 5, 300], [1, 2, 8],
+                                                [(2, 24, 24), (8, 12, 24)])))
+def test_one_and_two_launch_forms_equal_reference(device, num_tokens, ep_size, route):
+    """The same routing through both forms: N = T + 3 fits one block (one launch), N = 1100
+    takes several blocks (count and index launches); each equals the oracle."""
+    top_k, experts, slots = route
+    generator = torch.Generator().manual_seed(num_tokens * 13 + ep_size)
+    ids = random_routing(ep_size, num_tokens, top_k, experts, slots, generator, padding=0.15)
+    for max_tokens, single in ((num_tokens + 3, True), (1100, False)):
+        assert prepare.plan_config(max_tokens, ep_size, top_k, slots).single == single
+        want = ref.local_send_plan(ids, experts, ep_size, max_tokens_per_rank=max_tokens,
+                                   slot_count=slots)
+        got = prepare.local_send_plan(ids.to(device), experts, ep_size,
+                                      max_tokens_per_rank=max_tokens, slot_count=slots)
+        assert_plans_equal(got, want)
+
+
+@pytest.mark.parametrize("max_tokens", [4, 1100])
+def test_out_of_range_id_named_by_both_forms(device, max_tokens):
+    ids = torch.tensor([[0, 1], [2, 9], [3, 3]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="expert id 9 outside"):
+        prepare.local_send_plan(ids, 4, 2, max_tokens_per_rank=max_tokens)
+
+
 def test_all_padding_and_single_rank_owner(device):
     ids = torch.tensor([[8, 8], [8, 8], [7, 8]], dtype=torch.int32)
     want = ref.local_send_plan(ids, 8, 4)
@@ -95,7 +120,7 @@ def test_launch_constants_depend_on_the_configuration_only():
 def test_one_compiled_variant_for_every_token_count_gpu(device):
     """T only sizes the grid: after the first call, other T (incl. 0, 1, 16) compile nothing."""
     generator = torch.Generator().manual_seed(2)
-    kernels = (prepare._count_kernel, prepare._index_kernel)
+    kernels = (prepare._count_kernel, prepare._index_kernel, prepare._single_plan_kernel)
 
     def cached():
         index = torch.cuda.current_device()
