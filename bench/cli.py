@@ -39,8 +39,9 @@ from bench.transport import DISTRIBUTED_STAGES, not_distributed_record  # noqa: 
 # call costs), then the cross-rank.
 ALL_STAGES: tuple[Stage, ...] = SINGLE_DEVICE_STAGES + (DECODE, OPS) + DISTRIBUTED_STAGES
 STAGE_NAMES = tuple(dict.fromkeys(s.name for s in ALL_STAGES))
-BACKEND_NAMES = ("triton", "flashinfer", "flashinfer_one_sided", "flashinfer_routing", "torch",
-                 "torch_compile", "triton_compiled", "triton_compiled_graph") + OPS_ROWS
+BACKEND_NAMES = (("triton", "flashinfer", "flashinfer_one_sided", "flashinfer_routing", "torch",
+                  "torch_compile", "triton_overlap", "triton_compiled", "triton_compiled_graph")
+                 + OPS_ROWS)
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 # Collectives wait this long for a peer: rank 0 may run the single-GPU sweep in between.

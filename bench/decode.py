@@ -28,6 +28,9 @@ graph captures the whole chain),
 Inductor launches the registered ops' kernels itself; timed by eager calls, GPU only),
 ``triton_compiled_graph`` (that compiled chain captured and replayed as one CUDA graph, as a
 serving engine runs a compiled decode step; GPU only),
+``triton_overlap`` (the ``triton`` row's ops with the steps that do not depend on each other
+on two side streams, :func:`run_chain_overlapped`: the graph holds the chain's dependencies,
+not one line of launches; GPU only),
 ``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
 step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
 permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
@@ -81,6 +84,8 @@ ROUTING_METHOD = "deepseek_v3"
 # and captured and replayed as one CUDA graph.
 COMPILED_BACKEND = "triton_compiled"
 COMPILED_GRAPH_BACKEND = "triton_compiled_graph"
+# The row of the same chain with its independent steps on side streams (OverlappedChain).
+OVERLAP_BACKEND = "triton_overlap"
 # The token counts whose chain time has a target (bench/targets.py).
 TARGET_TOKENS = (16, 64, 256, 2048)
 
@@ -186,6 +191,47 @@ def run_chain(steps: ChainSteps, shape: dict, logits: torch.Tensor, bias: torch.
     return after_routing(steps, shape, topk_ids, topk_weights, x, expert_out)
 
 
+def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
+                         bias: torch.Tensor, x: torch.Tensor, expert_out: torch.Tensor,
+                         streams: tuple) -> DecodeOutputs:
+    """:func:`run_chain` with the steps that do not depend on each other on side streams, so
+    that a CUDA graph captured from it holds the chain's real dependencies instead of one line:
+
+        current stream:  route -> permute -> unpermute
+        streams[0]:      global scale -> quantize -> (after permute) gather
+        streams[1]:      (after route) local send plan
+
+    Each side stream starts after everything queued on the current stream (so a call never
+    overlaps the previous call's uses of its buffers) and the current stream waits for both
+    at the end: the call is joined, as graph capture requires. The same ops on the same
+    inputs: the same outputs as :func:`run_chain`."""
+    quant_stream, plan_stream = streams
+    current = torch.cuda.current_stream(x.device)
+    k, experts = shape["top_k"], shape["experts"]
+    quant_stream.wait_stream(current)
+    with torch.cuda.stream(quant_stream):
+        global_scale = steps.global_scale(x)
+        packed, scales = steps.quantize(x, global_scale)
+    topk_ids, topk_weights = steps.route(logits, k, ROUTING_METHOD, **routing_options(bias))
+    plan_stream.wait_stream(current)
+    with torch.cuda.stream(plan_stream):
+        plan = steps.plan(topk_ids, experts, shape["ep_size"],
+                          max_tokens_per_rank=shape["tokens"])
+    permutation = steps.permute(topk_ids, experts)
+    quant_stream.wait_stream(current)
+    with torch.cuda.stream(quant_stream):
+        if shape["payload"] == "nvfp4":
+            gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales,
+                                          top_k=k))
+        else:
+            gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
+    out = steps.unpermute(expert_out, permutation, topk_weights)
+    current.wait_stream(quant_stream)
+    current.wait_stream(plan_stream)
+    return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
+                         permutation, gathered, out)
+
+
 class DecodeChain:
     """The chain on input buffers of its own: ``logits`` [T, E] fp32 and ``x`` [T, H] bf16 are
     copies that :meth:`load` overwrites in place, so that a CUDA graph captured from a call
@@ -206,6 +252,19 @@ class DecodeChain:
         """Copy new inputs into the buffers every call (and every captured graph) reads."""
         self.logits.copy_(logits)
         self.x.copy_(x)
+
+
+class OverlappedChain(DecodeChain):
+    """:class:`DecodeChain` run by :func:`run_chain_overlapped` on two side streams of its own
+    (GPU only): the graph the ``triton_overlap`` row replays."""
+
+    def __init__(self, steps: ChainSteps, inputs: dict, shape: dict):
+        super().__init__(steps, inputs, shape)
+        self.streams = tuple(torch.cuda.Stream(device=self.x.device) for _ in range(2))
+
+    def __call__(self) -> DecodeOutputs:
+        return run_chain_overlapped(self.steps, self.shape, self.logits, self.bias, self.x,
+                                    self.expert_out, self.streams)
 
 
 class CompiledChain(DecodeChain):
@@ -232,6 +291,14 @@ def compiled_reason(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return ("not available: the compiled chain needs a GPU (under Triton's interpreter the "
                 "registered ops are opaque to Inductor: nothing of the chain to compile)")
+    return None
+
+
+def overlap_reason(device: torch.device) -> Optional[str]:
+    """Why the overlapped chain cannot run on ``device`` (None where it can)."""
+    if device.type != "cuda":
+        return ("not available: the overlapped chain runs its independent steps on CUDA "
+                "streams (a GPU only)")
     return None
 
 
@@ -420,7 +487,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     device = inputs["x"].device
 
     def chain_path(backend: str, routing_backend: str, timed: str,
-                   compiled: bool = False, graphed: bool = True) -> Path:
+                   compiled: bool = False, graphed: bool = True,
+                   overlapped: bool = False) -> Path:
         holder: dict = {}
 
         def factory():
@@ -429,7 +497,10 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 stage_backend(stage, "triton", device)
             if compiled and compiled_reason(device):
                 raise Unavailable(compiled_reason(device))
-            chain_class = CompiledChain if compiled else DecodeChain
+            if overlapped and overlap_reason(device):
+                raise Unavailable(overlap_reason(device))
+            chain_class = (CompiledChain if compiled else
+                           OverlappedChain if overlapped else DecodeChain)
             holder["chain"] = chain_class(triton_steps(routing_backend), inputs, shape)
             return holder["chain"]
 
@@ -459,6 +530,10 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         oracle, facts=lambda: {"launches": count_launches(oracle.run, device)})
     return [chain_path("triton", "triton",
                        "timed: the whole chain, Triton, check_ids/check_values=False"),
+            chain_path(OVERLAP_BACKEND, "triton",
+                       "timed: the triton row's ops, the steps that do not depend on each other "
+                       "on two side streams (quantize and gather; the plan), one CUDA graph",
+                       overlapped=True),
             chain_path(COMPILED_BACKEND, "triton",
                        "timed: the triton row's chain under torch.compile(fullgraph=True), "
                        "default mode (Inductor, no CUDA graphs), dynamic=False, eager calls",

@@ -34,20 +34,30 @@ UNUSED_ENTRY = tl.constexpr(UNUSED)
 # =============================================================================================
 
 @triton.jit
-def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, num_out_rows, num_sources, top_k,
-                        row_words, BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+def _gather_rows_kernel(table_ptr, out_ptr, table2_ptr, out2_ptr, rows_ptr, num_out_rows,
+                        num_sources, top_k, row_words, row_words2, col_blocks,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
     """``out[p, :] = table[rows[p] // top_k, :]`` for a [BLOCK_ROWS, BLOCK_WORDS] tile; a row
-    whose source is UNUSED (or outside [0, num_sources)) is written as zeros."""
+    whose source is UNUSED (or outside [0, num_sources)) is written as zeros. Column blocks
+    ``>= col_blocks`` gather a second table of the same rows and word type (``table2`` into
+    ``out2``, ``row_words2`` words a row): the NVFP4 codes and their scales in one launch. With
+    one table ``col_blocks`` covers the grid."""
+    col_block = tl.program_id(1)
+    if col_block < col_blocks:
+        table, out, width = table_ptr, out_ptr, row_words
+    else:
+        table, out, width = table2_ptr, out2_ptr, row_words2
+        col_block -= col_blocks
     out_rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    words = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+    words = col_block * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
     row_ok = out_rows < num_out_rows
-    word_ok = words < row_words
+    word_ok = words < width
     sources = tl.load(rows_ptr + out_rows, mask=row_ok, other=UNUSED_ENTRY)
     source_ok = row_ok & (sources >= 0) & (sources < num_sources)
     tokens = tl.where(source_ok, sources // top_k, 0).to(tl.int64)
-    values = tl.load(table_ptr + tokens[:, None] * row_words + words[None, :],
+    values = tl.load(table + tokens[:, None] * width + words[None, :],
                      mask=source_ok[:, None] & word_ok[None, :], other=0)
-    tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * row_words + words[None, :], values,
+    tl.store(out + out_rows.to(tl.int64)[:, None] * width + words[None, :], values,
              mask=row_ok[:, None] & word_ok[None, :])
 
 
@@ -69,38 +79,47 @@ def _word_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
-def _launch_gather(table: torch.Tensor, rows: torch.Tensor, top_k: int,
-                   traced: bool) -> torch.Tensor:
-    """The gather of contiguous ``table`` rows by contiguous ``rows`` (checked arguments);
-    ``traced``: launch through ``wrap_triton`` (the op's body), else the kernel itself (the
-    eager path)."""
-    out = torch.empty((rows.numel(), table.shape[1]), dtype=table.dtype, device=table.device)
-    if out.numel() == 0:
-        return out
-    word = _word_dtype(table)
-    row_words = table.shape[1] * table.element_size() // word.itemsize
+def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """The contiguous 2-D ``t`` viewed as [rows, row bytes / word size] ``word``s."""
+    row_words = t.shape[1] * t.element_size() // word.itemsize
     # flat first: a contiguous tensor with a size-1 dim may carry any stride there
-    table_words = table.reshape(-1).view(torch.uint8).view(word).reshape(table.shape[0],
-                                                                         row_words)
-    out_words = out.view(torch.uint8).view(word)
-    # the tile from the row width (static), the grid from the row count
-    block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(row_words))
+    return t.reshape(-1).view(torch.uint8).view(word).reshape(t.shape[0], row_words)
+
+
+def _launch_gather(tables: list[torch.Tensor], rows: torch.Tensor, top_k: int,
+                   traced: bool) -> list[torch.Tensor]:
+    """The gather of the rows ``rows`` of each contiguous table of ``tables`` (one or two,
+    checked arguments), one launch: two tables of one word type share it (the second's
+    column blocks after the first's, on the first's tile), else each has its own. ``traced``:
+    launch through ``wrap_triton`` (the op's body), else the kernel itself (the eager path)."""
+    outs = [torch.empty((rows.numel(), t.shape[1]), dtype=t.dtype, device=t.device)
+            for t in tables]
+    if rows.numel() == 0 or not any(o.numel() for o in outs):
+        return outs
+    words = [_word_dtype(t) for t in tables]
+    if len(tables) == 2 and words[0] != words[1]:
+        return [_launch_gather([t], rows, top_k, traced)[0] for t in tables]
+    table_words = [_as_words(t, words[0]) for t in tables]
+    out_words = [o.view(torch.uint8).view(words[0]) for o in outs]
+    widths = [t.shape[1] for t in table_words]
+    # the tile from the first row width (static), the grid from the row count
+    block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(max(widths[0], 1)))
     block_rows = GATHER_TILE_WORDS // block_words
-    grid = (triton.cdiv(rows.numel(), block_rows), triton.cdiv(row_words, block_words))
+    col_blocks = [triton.cdiv(width, block_words) for width in widths]
+    grid = (triton.cdiv(rows.numel(), block_rows), sum(col_blocks))
+    second = 1 if len(tables) == 2 else 0
     kernel = wrap_triton(_gather_rows_kernel) if traced else _gather_rows_kernel
-    kernel[grid](table_words, rows, out_words, rows.numel(), table.shape[0] * top_k, top_k,
-                 row_words, BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
-    return out
+    kernel[grid](table_words[0], out_words[0], table_words[second], out_words[second], rows,
+                 rows.numel(), tables[0].shape[0] * top_k, top_k, widths[0], widths[second],
+                 col_blocks[0], BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
+    return outs
 
 
 def _launch_gather_rows(x: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
                         top_k: int, traced: bool) -> list[torch.Tensor]:
     """[out] or [out, out_scales] on checked arguments (copied to contiguous tensors here)."""
-    rows = rows.contiguous()
-    outs = [_launch_gather(x.contiguous(), rows, top_k, traced)]
-    if scales is not None:
-        outs.append(_launch_gather(scales.contiguous(), rows, top_k, traced))
-    return outs
+    tables = [x.contiguous()] + ([] if scales is None else [scales.contiguous()])
+    return _launch_gather(tables, rows.contiguous(), top_k, traced)
 
 
 def _gather_rows_face(traced: bool):

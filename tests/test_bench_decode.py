@@ -92,8 +92,11 @@ def cpu_rows() -> dict:
 @pytest.mark.parametrize("payload", ["nvfp4", "bf16"])
 def test_cpu_rows_check_the_triton_chain_and_say_why_flashinfer_cannot_run(cpu_rows, payload):
     assert {backend for backend, p in cpu_rows if p == payload} == {
-        "triton", "triton_compiled", "triton_compiled_graph", "flashinfer_routing",
-        "flashinfer", "torch"}
+        "triton", "triton_overlap", "triton_compiled", "triton_compiled_graph",
+        "flashinfer_routing", "flashinfer", "torch"}
+    overlapped = cpu_rows[("triton_overlap", payload)]
+    assert overlapped["ok"] is None
+    assert overlapped["note"].startswith("not available: the overlapped chain runs"), overlapped
     for backend in ("triton_compiled", "triton_compiled_graph"):
         compiled = cpu_rows[(backend, payload)]
         assert compiled["ok"] is None
@@ -399,6 +402,11 @@ def test_gpu_decode_rows(tmp_path):
         compiled = rows[("triton_compiled", payload)]  # timed by eager calls
         assert compiled["ok"] is True and compiled["timing"] != "cuda_graph", compiled
         assert "torch.compile(fullgraph=True)" in compiled["note"], compiled
+        overlapped = rows[("triton_overlap", payload)]  # checked at every replay, then timed
+        assert overlapped["ok"] is True and overlapped["timing"] == "cuda_graph", overlapped
+        assert "10 CUDA-graph replays checked with fresh routing" in overlapped["note"]
+        assert overlapped["launches"] == triton["launches"], (overlapped, triton)
+        assert overlapped["target_pass"] is not None, overlapped
         graphed = rows[("triton_compiled_graph", payload)]
         assert graphed["ok"] is True and graphed["timing"] == "cuda_graph", graphed
         assert "10 CUDA-graph replays checked with fresh routing" in graphed["note"], graphed
