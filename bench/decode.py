@@ -29,8 +29,8 @@ Inductor launches the registered ops' kernels itself; timed by eager calls, GPU 
 ``triton_compiled_graph`` (that compiled chain captured and replayed as one CUDA graph, as a
 serving engine runs a compiled decode step; GPU only),
 ``triton_overlap`` (the ``triton`` row's ops with the steps that do not depend on each other
-on two side streams, :func:`run_chain_overlapped`: the graph holds the chain's dependencies,
-not one line of launches; GPU only),
+on streams of their own, :func:`run_chain_overlapped`: the graph holds the chain's
+dependencies, not one line of launches; GPU only),
 ``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
 step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
 permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
@@ -84,7 +84,8 @@ ROUTING_METHOD = "deepseek_v3"
 # and captured and replayed as one CUDA graph.
 COMPILED_BACKEND = "triton_compiled"
 COMPILED_GRAPH_BACKEND = "triton_compiled_graph"
-# The row of the same chain with its independent steps on side streams (OverlappedChain).
+# The row of the same chain with its independent steps on streams of their own
+# (OverlappedChain).
 OVERLAP_BACKEND = "triton_overlap"
 # The token counts whose chain time has a target (bench/targets.py).
 TARGET_TOKENS = (16, 64, 256, 2048)
@@ -194,40 +195,47 @@ def run_chain(steps: ChainSteps, shape: dict, logits: torch.Tensor, bias: torch.
 def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
                          bias: torch.Tensor, x: torch.Tensor, expert_out: torch.Tensor,
                          streams: tuple) -> DecodeOutputs:
-    """:func:`run_chain` with the steps that do not depend on each other on side streams, so
-    that a CUDA graph captured from it holds the chain's real dependencies instead of one line:
+    """:func:`run_chain` with the steps that do not depend on each other on streams of their
+    own, so that a CUDA graph captured from it holds the chain's real dependencies instead of
+    one line of launches:
 
-        current stream:  route -> permute -> unpermute
-        streams[0]:      global scale -> quantize -> (after permute) gather
-        streams[1]:      (after route) local send plan
+        streams[0] (critical path, high priority):  route -> permute -> unpermute
+        streams[1]:  global scale -> quantize -> (after permute) gather
+        streams[2] (high priority):  (after route) local send plan
 
-    Each side stream starts after everything queued on the current stream (so a call never
-    overlaps the previous call's uses of its buffers) and the current stream waits for both
-    at the end: the call is joined, as graph capture requires. The same ops on the same
-    inputs: the same outputs as :func:`run_chain`."""
-    quant_stream, plan_stream = streams
+    The critical path is enqueued first and on the stream of highest priority, so that its
+    kernels are not queued behind the others'; so is the plan, one program whose latency
+    would otherwise wait behind the wide kernels. Every stream starts after everything queued on
+    the current stream (a call never overlaps the previous call's uses of its buffers) and the
+    current stream waits for all three at the end: the call is joined, as graph capture
+    requires. The same ops on the same inputs: the same outputs as :func:`run_chain`."""
+    critical, quant_stream, plan_stream = streams
     current = torch.cuda.current_stream(x.device)
     k, experts = shape["top_k"], shape["experts"]
-    quant_stream.wait_stream(current)
+    for stream in streams:
+        stream.wait_stream(current)
+    routed, permuted = torch.cuda.Event(), torch.cuda.Event()
+    with torch.cuda.stream(critical):
+        topk_ids, topk_weights = steps.route(logits, k, ROUTING_METHOD, **routing_options(bias))
+        routed.record(critical)
+        permutation = steps.permute(topk_ids, experts)
+        permuted.record(critical)
+        out = steps.unpermute(expert_out, permutation, topk_weights)
     with torch.cuda.stream(quant_stream):
         global_scale = steps.global_scale(x)
         packed, scales = steps.quantize(x, global_scale)
-    topk_ids, topk_weights = steps.route(logits, k, ROUTING_METHOD, **routing_options(bias))
-    plan_stream.wait_stream(current)
-    with torch.cuda.stream(plan_stream):
-        plan = steps.plan(topk_ids, experts, shape["ep_size"],
-                          max_tokens_per_rank=shape["tokens"])
-    permutation = steps.permute(topk_ids, experts)
-    quant_stream.wait_stream(current)
-    with torch.cuda.stream(quant_stream):
+        quant_stream.wait_event(permuted)
         if shape["payload"] == "nvfp4":
             gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales,
                                           top_k=k))
         else:
             gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
-    out = steps.unpermute(expert_out, permutation, topk_weights)
-    current.wait_stream(quant_stream)
-    current.wait_stream(plan_stream)
+    with torch.cuda.stream(plan_stream):
+        plan_stream.wait_event(routed)
+        plan = steps.plan(topk_ids, experts, shape["ep_size"],
+                          max_tokens_per_rank=shape["tokens"])
+    for stream in streams:
+        current.wait_stream(stream)
     return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
                          permutation, gathered, out)
 
@@ -255,12 +263,17 @@ class DecodeChain:
 
 
 class OverlappedChain(DecodeChain):
-    """:class:`DecodeChain` run by :func:`run_chain_overlapped` on two side streams of its own
-    (GPU only): the graph the ``triton_overlap`` row replays."""
+    """:class:`DecodeChain` run by :func:`run_chain_overlapped` on three streams of its own
+    (GPU only): the graph the ``triton_overlap`` row replays. The critical path's stream and
+    the plan's have the device's highest priority."""
 
     def __init__(self, steps: ChainSteps, inputs: dict, shape: dict):
         super().__init__(steps, inputs, shape)
-        self.streams = tuple(torch.cuda.Stream(device=self.x.device) for _ in range(2))
+        device = self.x.device
+        # (torch maps a priority past the device's range to the nearest one: the highest)
+        self.streams = (torch.cuda.Stream(device=device, priority=-100),
+                        torch.cuda.Stream(device=device),
+                        torch.cuda.Stream(device=device, priority=-100))
 
     def __call__(self) -> DecodeOutputs:
         return run_chain_overlapped(self.steps, self.shape, self.logits, self.bias, self.x,
@@ -532,7 +545,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                        "timed: the whole chain, Triton, check_ids/check_values=False"),
             chain_path(OVERLAP_BACKEND, "triton",
                        "timed: the triton row's ops, the steps that do not depend on each other "
-                       "on two side streams (quantize and gather; the plan), one CUDA graph",
+                       "on streams of their own (route, permute, unpermute at high priority; "
+                       "quantize and gather; the plan), one CUDA graph",
                        overlapped=True),
             chain_path(COMPILED_BACKEND, "triton",
                        "timed: the triton row's chain under torch.compile(fullgraph=True), "

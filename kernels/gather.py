@@ -36,18 +36,20 @@ UNUSED_ENTRY = tl.constexpr(UNUSED)
 @triton.jit
 def _gather_rows_kernel(table_ptr, out_ptr, table2_ptr, out2_ptr, rows_ptr, num_out_rows,
                         num_sources, top_k, row_words, row_words2, col_blocks,
-                        BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+                        TWO_TABLES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        BLOCK_WORDS: tl.constexpr):
     """``out[p, :] = table[rows[p] // top_k, :]`` for a [BLOCK_ROWS, BLOCK_WORDS] tile; a row
-    whose source is UNUSED (or outside [0, num_sources)) is written as zeros. Column blocks
-    ``>= col_blocks`` gather a second table of the same rows and word type (``table2`` into
-    ``out2``, ``row_words2`` words a row): the NVFP4 codes and their scales in one launch. With
-    one table ``col_blocks`` covers the grid."""
+    whose source is UNUSED (or outside [0, num_sources)) is written as zeros. TWO_TABLES:
+    column blocks ``>= col_blocks`` gather a second table of the same rows and word type
+    (``table2`` into ``out2``, ``row_words2`` words a row), the NVFP4 codes and their scales
+    in one launch; else ``table2`` / ``out2`` are never touched (a constexpr branch: Inductor's
+    analysis of the stores then does not count ``out2``, which may be ``out`` itself)."""
     col_block = tl.program_id(1)
-    if col_block < col_blocks:
-        table, out, width = table_ptr, out_ptr, row_words
-    else:
-        table, out, width = table2_ptr, out2_ptr, row_words2
-        col_block -= col_blocks
+    table, out, width = table_ptr, out_ptr, row_words
+    if TWO_TABLES:
+        if col_block >= col_blocks:
+            table, out, width = table2_ptr, out2_ptr, row_words2
+            col_block -= col_blocks
     out_rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     words = col_block * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
     row_ok = out_rows < num_out_rows
@@ -101,7 +103,7 @@ def _launch_gather(tables: list[torch.Tensor], rows: torch.Tensor, top_k: int,
         return [_launch_gather([t], rows, top_k, traced)[0] for t in tables]
     table_words = [_as_words(t, words[0]) for t in tables]
     out_words = [o.view(torch.uint8).view(words[0]) for o in outs]
-    widths = [t.shape[1] for t in table_words]
+    widths = [int(t.shape[1]) for t in table_words]  # static: a traced width is specialised
     # the tile from the first row width (static), the grid from the row count
     block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(max(widths[0], 1)))
     block_rows = GATHER_TILE_WORDS // block_words
@@ -111,7 +113,8 @@ def _launch_gather(tables: list[torch.Tensor], rows: torch.Tensor, top_k: int,
     kernel = wrap_triton(_gather_rows_kernel) if traced else _gather_rows_kernel
     kernel[grid](table_words[0], out_words[0], table_words[second], out_words[second], rows,
                  rows.numel(), tables[0].shape[0] * top_k, top_k, widths[0], widths[second],
-                 col_blocks[0], BLOCK_ROWS=block_rows, BLOCK_WORDS=block_words, num_warps=4)
+                 col_blocks[0], TWO_TABLES=second == 1, BLOCK_ROWS=block_rows,
+                 BLOCK_WORDS=block_words, num_warps=4)
     return outs
 
 
@@ -241,12 +244,14 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
              round_to(acc, out_ptr.dtype.element_ty), mask=token_ok[:, None] & col_ok[None, :])
 
 
-# Tile [tokens, columns] of UNPERMUTE_TILE elements, at most UNPERMUTE_BLOCK_COLS wide: 1024
-# columns = 8 bf16 (one 16-byte vector) per thread per row at 4 warps; the k slot loads are
-# unrolled, so 2 tokens x k=8 slots keep 32 KiB of bf16 rows in flight per program, with 16 fp32
-# accumulators per thread. Narrower rows take more tokens per program.
-UNPERMUTE_TILE = 2048
-UNPERMUTE_BLOCK_COLS = 1024
+# Tile [tokens, columns] of UNPERMUTE_TILE elements, at most UNPERMUTE_BLOCK_COLS wide: 512
+# columns = 4 bf16 per thread per row at 4 warps; the k slot loads are unrolled, so 2 tokens x
+# k=8 slots keep 16 KiB of bf16 rows in flight per program, with 8 fp32 accumulators per
+# thread. Narrower rows take more tokens per program. The smaller tile (2048 elements, 1024
+# wide, before) gives a decode batch's few tokens four times the programs; a GPU A/B of the
+# two at T = 1 to 8192 (H=7168, k=8) found it as fast or faster at every T.
+UNPERMUTE_TILE = 1024
+UNPERMUTE_BLOCK_COLS = 512
 
 
 def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
@@ -254,7 +259,7 @@ def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
     """The launch on checked tensors (``expert_out`` and ``inverse`` copied to contiguous
     tensors here); ``traced`` as in :func:`_launch_gather`."""
     num_tokens, top_k = topk_weights.shape
-    hidden = expert_out.shape[1]
+    hidden = int(expert_out.shape[1])  # static: a traced H is specialised
     out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
     if out.numel() == 0:
         return out

@@ -69,8 +69,10 @@ class PermuteLaunch:
         single_chunk: ids read per step (at least 32 per warp, at most the form's most pairs
             rounded up to a power of two): every program reads all T*k ids in steps of this
             many, so the tile does not depend on T (one compiled kernel for every batch); the
-            slices are sized for the form's most pairs. The default reads them all in one
-            step wherever the rule picks this form.
+            slices are sized for the form's most pairs. The default, 1024, reads them in
+            one step up to 1024 pairs (T = 128 at k = 8) and in two beyond: in the tune run
+            (tune-nvidia-h200-20261201T152121.json, E=256 k=8) it was faster than one step of
+            2048 at every T up to 128, the decode batches, and slower at T = 256.
     Three-pass form:
         block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
             pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
@@ -89,7 +91,7 @@ class PermuteLaunch:
     single_programs: int = 128
     single_warps: int = 4
     single_fill: int = 2048
-    single_chunk: int = 2048
+    single_chunk: int = 1024
     block_pairs: int = 128
     scan_blocks: int = 512
     expert_chunk: int = 8

@@ -144,7 +144,8 @@ def tile_shape(num_rows: int, num_blocks: int, block: int, device: torch.device,
     leave the latency of its serial work), warps shrunk with the tile (one scale block per
     thread at most). The columns come from H alone and the choice is one comparison on M, so a
     traced M gets one compiled kernel per bucket, not one per M."""
-    blocks = min(launch.max_blocks, triton.next_power_of_2(max(num_blocks, 1)))
+    # int(): the width is static (a traced size is specialised here, as for every constexpr)
+    blocks = min(launch.max_blocks, triton.next_power_of_2(max(int(num_blocks), 1)))
     block_rows = max(1, launch.tile_elements // (blocks * block))
     if block_rows > 1 and not fills_device(
             triton.cdiv(num_rows, block_rows) * triton.cdiv(num_blocks, blocks), device, launch):
@@ -159,7 +160,8 @@ def nvfp4_tile_shape(num_rows: int, num_blocks: int, device: torch.device,
     :func:`tile_shape`: the config's tile with up to ``steps`` tiles per program along its rows
     (evened out: 7 tiles in 2 programs are 4 + 3, not 5 + 2) when that grid has 2 programs per
     SM; else one row and one tile per program."""
-    blocks = min(launch.max_blocks, triton.next_power_of_2(max(num_blocks, 1)))
+    # int(): the width is static (a traced size is specialised here, as for every constexpr)
+    blocks = min(launch.max_blocks, triton.next_power_of_2(max(int(num_blocks), 1)))
     block_rows = max(1, launch.tile_elements // (blocks * NVFP4_BLOCK))
     col_tiles = triton.cdiv(num_blocks, blocks)
     steps = max(1, min(launch.steps, col_tiles))
@@ -187,7 +189,7 @@ def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> t
     config; M only sets the grid (``torch.sym_min``: no branch on M) and the loop count."""
     num_rows, hidden = x.shape
     out = torch.empty(1, dtype=torch.float32, device=x.device)
-    cols = min(launch.tile_cols, triton.next_power_of_2(max(hidden, 1)))
+    cols = min(launch.tile_cols, triton.next_power_of_2(max(int(hidden), 1)))
     block_rows = max(launch.tile_rows, launch.tile_rows * launch.tile_cols // cols)
     num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
     most = max(1, launch.programs_per_sm * launch.sms(x.device))  # the grid's capacity

@@ -755,6 +755,9 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     ``topk_groups`` already filled in by ``check_routing_args``); ``traced``: launch through
     ``wrap_triton`` (the op's body), else the kernel itself."""
     num_tokens, num_experts = logits.shape
+    # E is static: a traced E is specialised here, before the launch constants are taken from
+    # it (triton.next_power_of_2 of a symbolic size builds expressions sympy takes minutes on)
+    num_experts = int(num_experts)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     if num_tokens == 0:

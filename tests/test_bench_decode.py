@@ -323,16 +323,17 @@ def test_compiled_chain_target_is_its_cuda_graph_row():
 
 REPLAY_SCRIPT = """
 import torch
-from bench.decode import (DECODE_TOKENS, PAYLOADS, DEEPSEEK_R1, DecodeChain, check_chain,
-                          check_replays, decode_inputs, graph_replayer, oracle_chain,
-                          triton_steps)
+from bench.decode import (DECODE_TOKENS, PAYLOADS, DEEPSEEK_R1, DecodeChain, OverlappedChain,
+                          check_chain, check_replays, decode_inputs, graph_replayer,
+                          oracle_chain, triton_steps)
 device = torch.device("cuda", 0)
-for routing in ("triton", "flashinfer"):
+for routing, chain_class in (("triton", DecodeChain), ("triton", OverlappedChain),
+                             ("flashinfer", DecodeChain)):
     for tokens in DECODE_TOKENS:
         for payload in PAYLOADS:
             shape = dict(payload=payload, ep_size=1, tokens=tokens, **DEEPSEEK_R1)
             inputs = decode_inputs(shape, device)
-            chain = DecodeChain(triton_steps(routing), inputs, shape)
+            chain = chain_class(triton_steps(routing), inputs, shape)
             near_ties = routing == "flashinfer"
             check_chain(chain(), oracle_chain(inputs, shape), inputs, shape, near_ties=near_ties)
             near = check_replays(chain, graph_replayer(chain), inputs, 100, near_ties=near_ties)
@@ -347,7 +348,8 @@ def test_gpu_chain_graph_checked_at_each_of_100_replays_with_fresh_routing():
                           text=True, timeout=BENCH_TIMEOUT_S)
     assert done.returncode == 0 and "all replays checked" in done.stdout, \
         done.stdout[-2000:] + done.stderr[-3000:]
-    assert done.stdout.count("replayed ") == 2 * 5 * 2  # routings x token counts x payloads
+    # (routing, chain) pairs x token counts x payloads
+    assert done.stdout.count("replayed ") == 3 * 5 * 2
 
 
 LAUNCH_SCRIPT = """

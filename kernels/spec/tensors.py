@@ -50,8 +50,10 @@ def check_expert_ids(name: str, ids: torch.Tensor, num_ids: int, *,
 
 def check_top_k(top_k: int, num_experts: int, *, limit: Optional[int] = None,
                 limit_reason: str = "") -> None:
-    """Check ``1 <= top_k <= num_experts`` (and ``<= limit`` when given)."""
-    if not isinstance(top_k, int) or top_k < 1:
+    """Check ``1 <= top_k <= num_experts`` (and ``<= limit`` when given). ``top_k`` may be a
+    traced size (``torch.SymInt``, k read from a shape while an op is traced with every size
+    dynamic): the comparisons then guard on it."""
+    if not isinstance(top_k, (int, torch.SymInt)) or top_k < 1:
         raise ValueError(f"top_k={top_k!r} must be a positive int")
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k} must be <= the number of experts ({num_experts})")
