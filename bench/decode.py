@@ -199,16 +199,19 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
     own, so that a CUDA graph captured from it holds the chain's real dependencies instead of
     one line of launches:
 
-        streams[0] (critical path, high priority):  route -> permute -> unpermute
+        streams[0] (the critical path):  route -> permute -> unpermute
         streams[1]:  global scale -> quantize -> (after permute) gather
-        streams[2] (high priority):  (after route) local send plan
+        streams[2]:  (after route) local send plan
 
-    The critical path is enqueued first and on the stream of highest priority, so that its
-    kernels are not queued behind the others'; so is the plan, one program whose latency
-    would otherwise wait behind the wide kernels. Every stream starts after everything queued on
-    the current stream (a call never overlaps the previous call's uses of its buffers) and the
-    current stream waits for all three at the end: the call is joined, as graph capture
-    requires. The same ops on the same inputs: the same outputs as :func:`run_chain`."""
+    The steps are enqueued in the order they can start, alternating between the streams
+    (route, global scale, permute, plan, quantize, unpermute, gather): in the torch.profiler
+    timelines of the bench's H200 runs, a graph's independent branches started in the order
+    they were captured, so a branch captured behind a dependent kernel waited for it. The
+    critical path and the plan (one program) run at the highest stream priority. Every
+    stream starts after everything queued on the current stream (a call never overlaps the
+    previous call's uses of its buffers) and the current stream waits for all three at the
+    end: the call is joined, as graph capture requires. The same ops on the same inputs: the
+    same outputs as :func:`run_chain`."""
     critical, quant_stream, plan_stream = streams
     current = torch.cuda.current_stream(x.device)
     k, experts = shape["top_k"], shape["experts"]
@@ -218,22 +221,26 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
     with torch.cuda.stream(critical):
         topk_ids, topk_weights = steps.route(logits, k, ROUTING_METHOD, **routing_options(bias))
         routed.record(critical)
-        permutation = steps.permute(topk_ids, experts)
-        permuted.record(critical)
-        out = steps.unpermute(expert_out, permutation, topk_weights)
     with torch.cuda.stream(quant_stream):
         global_scale = steps.global_scale(x)
+    with torch.cuda.stream(critical):
+        permutation = steps.permute(topk_ids, experts)
+        permuted.record(critical)
+    with torch.cuda.stream(plan_stream):
+        plan_stream.wait_event(routed)
+        plan = steps.plan(topk_ids, experts, shape["ep_size"],
+                          max_tokens_per_rank=shape["tokens"])
+    with torch.cuda.stream(quant_stream):
         packed, scales = steps.quantize(x, global_scale)
+    with torch.cuda.stream(critical):
+        out = steps.unpermute(expert_out, permutation, topk_weights)
+    with torch.cuda.stream(quant_stream):
         quant_stream.wait_event(permuted)
         if shape["payload"] == "nvfp4":
             gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales,
                                           top_k=k))
         else:
             gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
-    with torch.cuda.stream(plan_stream):
-        plan_stream.wait_event(routed)
-        plan = steps.plan(topk_ids, experts, shape["ep_size"],
-                          max_tokens_per_rank=shape["tokens"])
     for stream in streams:
         current.wait_stream(stream)
     return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
@@ -545,8 +552,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                        "timed: the whole chain, Triton, check_ids/check_values=False"),
             chain_path(OVERLAP_BACKEND, "triton",
                        "timed: the triton row's ops, the steps that do not depend on each other "
-                       "on streams of their own (route, permute, unpermute at high priority; "
-                       "quantize and gather; the plan), one CUDA graph",
+                       "on streams of their own (route, permute, unpermute; quantize and "
+                       "gather; the plan), one CUDA graph",
                        overlapped=True),
             chain_path(COMPILED_BACKEND, "triton",
                        "timed: the triton row's chain under torch.compile(fullgraph=True), "
