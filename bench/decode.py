@@ -200,8 +200,8 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
     one line of launches:
 
         streams[0] (the critical path):  route -> permute -> unpermute
-        streams[1]:  global scale -> quantize -> (after permute) gather
-        streams[2]:  (after route) local send plan
+        streams[1]:  global scale -> quantize -> (after permute) gather    (payload nvfp4)
+        streams[2]:  (after route) local send plan -> (after permute) gather    (bf16)
 
     The steps are enqueued in the order they can start, alternating between the streams
     (route, global scale, permute, plan, quantize, unpermute, gather): in the torch.profiler
@@ -234,12 +234,14 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         packed, scales = steps.quantize(x, global_scale)
     with torch.cuda.stream(critical):
         out = steps.unpermute(expert_out, permutation, topk_weights)
-    with torch.cuda.stream(quant_stream):
-        quant_stream.wait_event(permuted)
-        if shape["payload"] == "nvfp4":
+    if shape["payload"] == "nvfp4":  # the quantized rows: after the quantize, on its stream
+        with torch.cuda.stream(quant_stream):
+            quant_stream.wait_event(permuted)
             gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales,
                                           top_k=k))
-        else:
+    else:  # the bf16 rows read x alone: after the plan, not behind the quantize
+        with torch.cuda.stream(plan_stream):
+            plan_stream.wait_event(permuted)
             gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
     for stream in streams:
         current.wait_stream(stream)
@@ -552,8 +554,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                        "timed: the whole chain, Triton, check_ids/check_values=False"),
             chain_path(OVERLAP_BACKEND, "triton",
                        "timed: the triton row's ops, the steps that do not depend on each other "
-                       "on streams of their own (route, permute, unpermute; quantize and "
-                       "gather; the plan), one CUDA graph",
+                       "on streams of their own (route, permute, unpermute; quantize and the "
+                       "NVFP4 gather; the plan and the bf16 gather), one CUDA graph",
                        overlapped=True),
             chain_path(COMPILED_BACKEND, "triton",
                        "timed: the triton row's chain under torch.compile(fullgraph=True), "
