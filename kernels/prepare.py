@@ -459,9 +459,8 @@ def local_send_plan(topk_ids: torch.Tensor, num_experts: int, ep_size: int, *,
     Returns a :class:`LocalSendPlan` equal field for field to the reference's: ascending token
     ids per destination segment, ``token*k + first slot`` backward indices, UNUSED tails,
     ``expert_counts [S]``. Two launches (one where N <= BLOCK_T), no host sync when
-    ``check_ids=False``. Runs the
-    registered op ``moe_a2a::local_send_plan.triton`` (directly in eager mode:
-    ``kernels.library``).
+    ``check_ids=False``. Runs the registered op ``moe_a2a::local_send_plan.triton``
+    (directly in eager mode: ``kernels.library``).
     """
     max_tokens, slots = _check_plan(topk_ids, num_experts, ep_size, max_tokens_per_rank,
                                     slot_count)
