@@ -158,9 +158,18 @@ def launch_everything() -> None:
     perm = permute.permute_by_expert(ids, 256, check_ids=False)
     # check_values=False: nothing ran, so the permutation holds whatever memory held
     gather.gather_rows(torch.zeros(64, 7168, dtype=torch.bfloat16), perm, check_values=False)
+    # the NVFP4 codes and their scales: the second table in the same launch
+    gather.gather_rows(torch.zeros(64, 3584, dtype=torch.uint8), perm,
+                       scales=torch.zeros(64, 448, dtype=torch.uint8), check_values=False)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         gather.unpermute_and_reduce(torch.zeros(512, 7168, dtype=dtype), perm,
                                     torch.zeros(64, 8), check_values=False)
+
+    # the local send plan's one-launch form (N = 64 is one block) and two-launch form
+    from kernels import prepare
+    for max_tokens in (64, 8192):
+        prepare.local_send_plan(torch.zeros(64, 8, dtype=torch.int32), 256, 8,
+                                max_tokens_per_rank=max_tokens, check_ids=False)
 
     cpu = torch.device("cpu")
     triton_prepare.warmup_prepare(cpu, ep_size=2, num_experts=32, max_tokens_per_rank=64,
