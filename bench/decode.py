@@ -167,7 +167,7 @@ def after_routing(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor,
                   quantized: Optional[tuple] = None) -> DecodeOutputs:
     """The chain's steps after the routing, on the given routing; ``quantized`` (global scale,
     packed, scales) reuses a quantization of ``x`` instead of computing it again."""
-    k, experts = shape["top_k"], shape["experts"]
+    experts = shape["experts"]
     plan = steps.plan(topk_ids, experts, shape["ep_size"], max_tokens_per_rank=shape["tokens"])
     if quantized is None:
         global_scale = steps.global_scale(x)
@@ -175,13 +175,20 @@ def after_routing(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor,
     else:
         global_scale, packed, scales = quantized
     permutation = steps.permute(topk_ids, experts)
-    if shape["payload"] == "nvfp4":
-        gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales, top_k=k))
-    else:
-        gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
+    gathered = gather_payload(steps, shape, x, packed, scales, permutation)
     out = steps.unpermute(expert_out, permutation, topk_weights)
     return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
                          permutation, gathered, out)
+
+
+def gather_payload(steps: ChainSteps, shape: dict, x: torch.Tensor, packed: torch.Tensor,
+                   scales: torch.Tensor, permutation) -> tuple:
+    """The rows the receiving rank hands its experts (``DecodeOutputs.gathered``): the packed
+    NVFP4 rows and their scales for the ``nvfp4`` payload, the bf16 rows of ``x`` for ``bf16``."""
+    if shape["payload"] == "nvfp4":
+        return tuple(steps.gather(packed, permutation.source_rows, scales=scales,
+                                  top_k=shape["top_k"]))
+    return (steps.gather(x, permutation.source_rows, top_k=shape["top_k"]),)
 
 
 def run_chain(steps: ChainSteps, shape: dict, logits: torch.Tensor, bias: torch.Tensor,
@@ -234,15 +241,12 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         packed, scales = steps.quantize(x, global_scale)
     with torch.cuda.stream(critical):
         out = steps.unpermute(expert_out, permutation, topk_weights)
-    if shape["payload"] == "nvfp4":  # the quantized rows: after the quantize, on its stream
-        with torch.cuda.stream(quant_stream):
-            quant_stream.wait_event(permuted)
-            gathered = tuple(steps.gather(packed, permutation.source_rows, scales=scales,
-                                          top_k=k))
-    else:  # the bf16 rows read x alone: after the plan, not behind the quantize
-        with torch.cuda.stream(plan_stream):
-            plan_stream.wait_event(permuted)
-            gathered = (steps.gather(x, permutation.source_rows, top_k=k),)
+    # the NVFP4 rows after the quantize, on its stream; the bf16 rows read x alone: after the
+    # plan, not behind the quantize
+    gather_stream = quant_stream if shape["payload"] == "nvfp4" else plan_stream
+    with torch.cuda.stream(gather_stream):
+        gather_stream.wait_event(permuted)
+        gathered = gather_payload(steps, shape, x, packed, scales, permutation)
     for stream in streams:
         current.wait_stream(stream)
     return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
