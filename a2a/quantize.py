@@ -157,6 +157,20 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
                out_scales=out_scales, rows=rows, check_values=check_values)
 
 
+def scale_and_quantize_nvfp4(x: torch.Tensor, *, layout: str = "linear", fast_math: bool = False,
+                             check_values: bool = True, backend: Optional[str] = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_global_scale` and :func:`quantize_nvfp4` with it as one op (two launches on
+    "triton"): x [M, H] (any strides), layout, fast_math (not on "torch"), check_values (one
+    host read of the computed scale; False for CUDA graphs); returns (packed [M, H/2] uint8,
+    scales uint8 e4m3 in ``layout``, global_scale [1] fp32), the bits of the two ops.
+    FlashInfer has no global-scale op: backend="flashinfer" is refused with that reason."""
+    chosen = resolve(STAGE, backend, _device("x", x), op="global_scale")
+    run = {"triton": triton_quantize.scale_and_quantize_nvfp4,
+           "torch": reference.scale_and_quantize_nvfp4}[chosen]
+    return run(x, layout=layout, fast_math=fast_math, check_values=check_values)
+
+
 def quantize_mxfp8(x: torch.Tensor, *, backend: Optional[str] = None):
     """x [M, H] (any strides) -> (float8_e4m3fn [M, H], e8m0 uint8 [M, H/32]); see the
     reference."""

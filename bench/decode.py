@@ -5,7 +5,9 @@ routed scaling 2.5, H=7168, x bf16; the interpreter runs tiny ones, :class:`Deco
 
     route_topk(logits [T, E] fp32, "deepseek_v3")     -> topk_ids [T, k] int32, weights [T, k] fp32
     local_send_plan(topk_ids, E, ep_size)            -> LocalSendPlan (who sends what where)
-    nvfp4_global_scale(x), quantize_nvfp4(x, gs)     -> packed [T, H/2] uint8, scales [T, H/16]
+    scale_and_quantize_nvfp4(x)                      -> packed [T, H/2] uint8, scales [T, H/16],
+        (nvfp4_global_scale(x), then quantize_nvfp4     global_scale [1] fp32
+         with it, in two launches)
     permute_by_expert(topk_ids, E)                   -> Permutation, P = T*k permuted rows
     gather_rows(packed, source_rows, scales=scales)  -> [P, H/2] uint8, [P, H/16] uint8
         (payload "nvfp4": the rows a receiving rank hands its grouped GEMM), or
@@ -115,12 +117,12 @@ class DecodeOutputs:
 
 @dataclass(frozen=True)
 class ChainSteps:
-    """The seven ops of the chain, each a function with the signature of its oracle in
-    ``kernels.reference`` (options such as ``backend=`` and ``check_ids=`` already bound)."""
+    """The six ops of the chain, each a function with the signature of its oracle in
+    ``kernels.reference`` (options such as ``backend=`` and ``check_ids=`` already bound);
+    ``quantize`` is ``scale_and_quantize_nvfp4``: x -> (packed, scales, global_scale)."""
 
     route: Callable
     plan: Callable
-    global_scale: Callable
     quantize: Callable
     permute: Callable
     gather: Callable
@@ -131,8 +133,8 @@ def oracle_steps() -> ChainSteps:
     """The plain-torch oracle of every step (``kernels.reference``)."""
     from kernels import reference
     return ChainSteps(route=reference.route_topk, plan=reference.local_send_plan,
-                      global_scale=reference.nvfp4_global_scale,
-                      quantize=reference.quantize_nvfp4, permute=reference.permute_by_expert,
+                      quantize=reference.scale_and_quantize_nvfp4,
+                      permute=reference.permute_by_expert,
                       gather=reference.gather_rows, unpermute=reference.unpermute_and_reduce)
 
 
@@ -142,14 +144,14 @@ def triton_steps(routing_backend: str = "triton") -> ChainSteps:
     stage function (it is a plain kernel, as the ``prepare`` stage notes): its launcher is
     called directly."""
     from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce
-    from a2a.quantize import nvfp4_global_scale, quantize_nvfp4
+    from a2a.quantize import scale_and_quantize_nvfp4
     from a2a.routing import route_topk
     from kernels.prepare import local_send_plan
     return ChainSteps(
         route=functools.partial(route_topk, backend=routing_backend),
         plan=functools.partial(local_send_plan, check_ids=False),
-        global_scale=functools.partial(nvfp4_global_scale, backend="triton"),
-        quantize=functools.partial(quantize_nvfp4, check_values=False, backend="triton"),
+        quantize=functools.partial(scale_and_quantize_nvfp4, check_values=False,
+                                   backend="triton"),
         permute=functools.partial(permute_by_expert, check_ids=False, backend="triton"),
         gather=functools.partial(gather_rows, check_values=False, backend="triton"),
         unpermute=functools.partial(unpermute_and_reduce, check_values=False,
@@ -170,8 +172,7 @@ def after_routing(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor,
     experts = shape["experts"]
     plan = steps.plan(topk_ids, experts, shape["ep_size"], max_tokens_per_rank=shape["tokens"])
     if quantized is None:
-        global_scale = steps.global_scale(x)
-        packed, scales = steps.quantize(x, global_scale)
+        packed, scales, global_scale = steps.quantize(x)
     else:
         global_scale, packed, scales = quantized
     permutation = steps.permute(topk_ids, experts)
@@ -207,11 +208,11 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
     one line of launches:
 
         streams[0] (the critical path):  route -> permute -> unpermute
-        streams[1]:  global scale -> quantize -> (after permute) gather    (payload nvfp4)
+        streams[1]:  global scale + quantize -> (after permute) gather    (payload nvfp4)
         streams[2]:  (after route) local send plan -> (after permute) gather    (bf16)
 
     The steps are enqueued in the order they can start, alternating between the streams
-    (route, global scale, permute, plan, quantize, unpermute, gather): in the torch.profiler
+    (route, global scale + quantize, permute, plan, unpermute, gather): in the torch.profiler
     timelines of the bench's H200 runs, a graph's independent branches started in the order
     they were captured, so a branch captured behind a dependent kernel waited for it. The
     critical path and the plan (one program) run at the highest stream priority. Every
@@ -229,7 +230,7 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         topk_ids, topk_weights = steps.route(logits, k, ROUTING_METHOD, **routing_options(bias))
         routed.record(critical)
     with torch.cuda.stream(quant_stream):
-        global_scale = steps.global_scale(x)
+        packed, scales, global_scale = steps.quantize(x)
     with torch.cuda.stream(critical):
         permutation = steps.permute(topk_ids, experts)
         permuted.record(critical)
@@ -237,8 +238,6 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         plan_stream.wait_event(routed)
         plan = steps.plan(topk_ids, experts, shape["ep_size"],
                           max_tokens_per_rank=shape["tokens"])
-    with torch.cuda.stream(quant_stream):
-        packed, scales = steps.quantize(x, global_scale)
     with torch.cuda.stream(critical):
         out = steps.unpermute(expert_out, permutation, topk_weights)
     # the NVFP4 rows after the quantize, on its stream; the bf16 rows read x alone: after the

@@ -144,6 +144,14 @@ def op_call(name: str, device: torch.device, tokens: int, hidden: int, experts: 
                       lambda: Q.quantize_nvfp4(x, gs, out=buffers()[0],
                                                out_scales=buffers()[1], check_values=False),
                       lambda: reference.quantize_nvfp4(x, gs), 0, mutated=(5, 6))
+    if name == "scale_and_quantize_nvfp4":
+        args = (x, "swizzled_128x4", False)
+        return OpCall(args + config_fields(Q.DEFAULT_AMAX) + config_fields(Q.DEFAULT_NVFP4),
+                      args,
+                      lambda: Q.scale_and_quantize_nvfp4(x, layout="swizzled_128x4",
+                                                         check_values=False),
+                      lambda: reference.scale_and_quantize_nvfp4(x, layout="swizzled_128x4"),
+                      3)
     if name in ("quantize_mxfp8", "quantize_mxfp4"):
         public, oracle = getattr(Q, name), getattr(reference, name)
         return OpCall((x,) + config_fields(Q.DEFAULT_BLOCK), (x,), lambda: public(x),

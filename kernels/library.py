@@ -118,15 +118,21 @@ def register(name: str, *, triton: Callable, launch: Callable, torch_face: Calla
     return op
 
 
-def check_config_parameters(fn: Callable, config_cls: type) -> None:
+def check_config_parameters(fn: Callable, *config_classes: type,
+                            prefixes: Sequence[str] = ()) -> None:
     """Raise TypeError unless the last parameters of the op function ``fn`` are the fields of
-    the launch config class ``config_cls``, by name and in order (so that a field added to the
-    config cannot be dropped silently on its way through the op)."""
-    names = [field.name for field in dataclasses.fields(config_cls)]
+    the launch config classes ``config_classes``, one class after the other, by name (each
+    field's name after the class's prefix in ``prefixes``, "" by default) and in order (so
+    that a field added to a config cannot be dropped silently on its way through the op)."""
+    names = []
+    for i, config_cls in enumerate(config_classes):
+        prefix = prefixes[i] if i < len(prefixes) else ""
+        names += [prefix + field.name for field in dataclasses.fields(config_cls)]
     params = list(inspect.signature(fn).parameters)[-len(names):]
     if params != names:
+        classes = " + ".join(config_cls.__name__ for config_cls in config_classes)
         raise TypeError(f"{fn.__name__} takes {params} as its launch parameters but "
-                        f"{config_cls.__name__} has the fields {names}: make the op's trailing "
+                        f"{classes} has the fields {names}: make the op's trailing "
                         f"parameters the config's fields")
 
 

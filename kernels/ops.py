@@ -13,6 +13,8 @@ op                         public functions (kernels / a2a stage)
 ``nvfp4_global_scale``     ``kernels.quantize.nvfp4_global_scale``, ``a2a.quantize...``
 ``quantize_nvfp4``         ``kernels.quantize.quantize_nvfp4`` (``a2a.quantize...``)
 ``quantize_nvfp4_out``     the same with ``out=`` / ``out_scales=``
+``scale_and_quantize_nvfp4``  the two above in two launches (``kernels.quantize...``,
+                           ``a2a.quantize...``)
 ``quantize_mxfp8/mxfp4``   ``kernels.quantize.quantize_mxfp8/4``, ``a2a.quantize...``
 ``dequantize_nvfp4``       ``kernels.quantize.dequantize_nvfp4``
 ``dequantize_mxfp8/mxfp4``  ``kernels.quantize.dequantize_mxfp8/4``
@@ -30,8 +32,9 @@ from kernels.library import REGISTERED, RegisteredOp
 # The registered ops by name, in the order of the table above.
 OP_NAMES = ("route_topk", "local_send_plan", "permute_by_expert", "gather_rows",
             "unpermute_and_reduce", "nvfp4_global_scale", "quantize_nvfp4",
-            "quantize_nvfp4_out", "quantize_mxfp8", "quantize_mxfp4", "dequantize_nvfp4",
-            "dequantize_mxfp8", "dequantize_mxfp4", "swizzle_scales", "unswizzle_scales")
+            "quantize_nvfp4_out", "scale_and_quantize_nvfp4", "quantize_mxfp8",
+            "quantize_mxfp4", "dequantize_nvfp4", "dequantize_mxfp8", "dequantize_mxfp4",
+            "swizzle_scales", "unswizzle_scales")
 
 
 def registered_ops() -> dict[str, RegisteredOp]:

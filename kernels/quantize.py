@@ -39,7 +39,8 @@ from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, QUANT_INPUT_DTYPES, SCALE
                                 check_dequantize_mx_args, check_dequantize_nvfp4_args,
                                 check_global_scale_values, check_quant_input,
                                 check_quantize_nvfp4_args, check_quantize_nvfp4_values,
-                                check_swizzle_args, check_unswizzle_args, swizzled_scale_shape)
+                                check_scale_and_quantize_nvfp4_args, check_swizzle_args,
+                                check_unswizzle_args, swizzled_scale_shape)
 from kernels.spec.tensors import check_tensor
 
 LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # the kernels' LAYOUT constexpr
@@ -160,17 +161,37 @@ def nvfp4_tile_shape(num_rows: int, num_blocks: int, device: torch.device,
     :func:`tile_shape`: the config's tile with up to ``steps`` tiles per program along its rows
     (evened out: 7 tiles in 2 programs are 4 + 3, not 5 + 2) when that grid has 2 programs per
     SM; else one row and one tile per program."""
+    block_rows, blocks, steps, small = _nvfp4_config_tile(num_rows, num_blocks, device, launch)
+    if small:
+        block_rows, steps = 1, 1
+    warps = max(1, min(launch.num_warps, block_rows * blocks // 32))
+    return block_rows, blocks, warps, steps
+
+
+def _nvfp4_config_tile(num_rows: int, num_blocks: int, device: torch.device,
+                       launch: NVFP4Launch) -> tuple[int, int, int, bool]:
+    """(BLOCK_ROWS, BLOCKS, STEPS) of the config's tile and whether M falls in the small-M
+    bucket (that tile's grid would not have 2 programs per SM)."""
     # int(): the width is static (a traced size is specialised here, as for every constexpr)
     blocks = min(launch.max_blocks, triton.next_power_of_2(max(int(num_blocks), 1)))
     block_rows = max(1, launch.tile_elements // (blocks * NVFP4_BLOCK))
     col_tiles = triton.cdiv(num_blocks, blocks)
     steps = max(1, min(launch.steps, col_tiles))
     steps = triton.cdiv(col_tiles, triton.cdiv(col_tiles, steps)) if col_tiles else 1
-    if (block_rows > 1 or steps > 1) and not fills_device(
-            triton.cdiv(num_rows, block_rows) * triton.cdiv(col_tiles, steps), device, launch):
-        block_rows, steps = 1, 1
-    warps = max(1, min(launch.num_warps, block_rows * blocks // 32))
-    return block_rows, blocks, warps, steps
+    small = (block_rows > 1 or steps > 1) and not fills_device(
+        triton.cdiv(num_rows, block_rows) * triton.cdiv(col_tiles, steps), device, launch)
+    return block_rows, blocks, steps, small
+
+
+def finishes_in_quantize(num_rows: int, num_blocks: int, device: torch.device,
+                         launch: NVFP4Launch) -> bool:
+    """Whether ``scale_and_quantize_nvfp4`` finishes the global scale inside the quantize's
+    programs (2 launches) rather than in the one-program finish launch (3): in the small-M
+    bucket of :func:`nvfp4_tile_shape` (T <= 527 at H = 7168 on an H200), the decode sizes,
+    where a launch costs more than the work. Past it every one of the quantize's many
+    programs would read the amax pass's partial maxima, hundreds of them: on an H200 the
+    overlapped decode chain at T = 2048 took about 3 us longer that way."""
+    return _nvfp4_config_tile(num_rows, num_blocks, device, launch)[3]
 
 
 def _register_cap(maxnreg: Optional[int]) -> dict:
@@ -184,11 +205,12 @@ def _register_cap(maxnreg: Optional[int]) -> dict:
 # op's two faces and fake (``kernels.library``), and the public function.
 # =============================================================================================
 
-def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> torch.Tensor:
-    """Every size that is a constexpr or sizes a buffer comes from H, the SM count and the
-    config; M only sets the grid (``torch.sym_min``: no branch on M) and the loop count."""
+def _launch_amax(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> tuple:
+    """The global scale's amax pass: (partial maxima [capacity] fp32, how many it wrote, the
+    finish's BLOCK). Every size that is a constexpr or sizes a buffer comes from H, the SM
+    count and the config; M only sets the grid (``torch.sym_min``: no branch on M) and the
+    loop count."""
     num_rows, hidden = x.shape
-    out = torch.empty(1, dtype=torch.float32, device=x.device)
     cols = min(launch.tile_cols, triton.next_power_of_2(max(int(hidden), 1)))
     block_rows = max(launch.tile_rows, launch.tile_rows * launch.tile_cols // cols)
     num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
@@ -196,13 +218,25 @@ def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> t
     num_programs = torch.sym_min(num_tiles, most)
     partial = torch.empty(most, dtype=torch.float32, device=x.device)
     amax = wrap_triton(amax_partial_kernel) if traced else amax_partial_kernel
-    finish = wrap_triton(global_scale_finish_kernel) if traced else global_scale_finish_kernel
     if x.numel():
         amax[(num_programs,)](x, partial, num_rows, hidden, x.stride(0), x.stride(1),
                               triton.cdiv(num_tiles, num_programs), BLOCK_ROWS=block_rows,
                               COLS=cols, num_warps=launch.num_warps)
-    finish[(1,)](partial, out, num_programs if x.numel() else 0,
-                 BLOCK=min(launch.finish_block, triton.next_power_of_2(most)), num_warps=4)
+    return (partial, num_programs if x.numel() else 0,
+            min(launch.finish_block, triton.next_power_of_2(most)))
+
+
+def _launch_finish(partials: tuple, out: torch.Tensor, traced: bool) -> None:
+    """The global scale's one-program finish: ``out`` [1] = the scale of the partials."""
+    partial, count, block = partials
+    finish = wrap_triton(global_scale_finish_kernel) if traced else global_scale_finish_kernel
+    finish[(1,)](partial, out, count, BLOCK=block, num_warps=4)
+
+
+def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> torch.Tensor:
+    """The amax pass, then the finish."""
+    out = torch.empty(1, dtype=torch.float32, device=x.device)
+    _launch_finish(_launch_amax(x, launch, traced), out, traced)
     return out
 
 
@@ -249,11 +283,16 @@ def nvfp4_global_scale(x: torch.Tensor, *, launch: AmaxLaunch = DEFAULT_AMAX) ->
 def _check_nvfp4(x, global_scale, layout, fast_math, out, out_scales, rows, launch):
     """The shared checks and the fast-math device rule; returns (M', Mp, Kp)."""
     shape = check_quantize_nvfp4_args(x, global_scale, layout, out, out_scales, rows)
+    _check_fast_math(x, fast_math, launch)
+    return shape
+
+
+def _check_fast_math(x, fast_math, launch):
+    """The fast-math device rule: the recipe needs inline PTX."""
     if fast_math and not launch.runs_ptx(x.device):
         raise NotImplementedError(
             "fast_math=True needs the GPU instruction rcp.approx.ftz.f32 (inline PTX), which "
             "Triton's interpreter cannot run; use fast_math=False, or a CUDA tensor")
-    return shape
 
 
 def _nvfp4_shapes(x, layout, rows):
@@ -264,11 +303,14 @@ def _nvfp4_shapes(x, layout, rows):
 
 
 def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
-                  launch: NVFP4Launch, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  launch: NVFP4Launch, traced: bool,
+                  partials: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantize launch on checked arguments; ``out`` / ``out_scales`` None: allocated.
     ``traced`` (the registered op's body, which Inductor compiles) stores the block scales by
     ``tl.store``, which Inductor's mutation analysis follows; the eager path keeps the inline
-    PTX store on a GPU (``quantize_tile``). The same bits either way."""
+    PTX store on a GPU (``quantize_tile``). The same bits either way. ``partials`` (from
+    :func:`_launch_amax`): the kernel computes the global scale from them and writes it to
+    ``global_scale`` (the caller writes it where the grid is empty)."""
     packed_shape, scale_shape = _nvfp4_shapes(x, layout, rows)
     num_rows = packed_shape[0]
     padded_rows, padded_blocks = scale_shape
@@ -288,13 +330,15 @@ def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
     words, stride_row, in_kind = as_pairs(x)
     word_asm = nvfp4_word_asm(x.device, in_kind, fast_math, stride_row, launch)
     kernel = wrap_triton(nvfp4_quantize_kernel) if traced else nvfp4_quantize_kernel
+    partial, num_partials, partial_block = (global_scale, 0, 16) if partials is None else partials
     kernel[grid](
         words, rows if rows is not None else words, global_scale, out, out_scales,
-        num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks,
-        HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
+        num_rows, num_src_rows, hidden, stride_row, padded_rows, padded_blocks, partial,
+        num_partials, HAS_ROWS=rows is not None, IN_KIND=in_kind, LAYOUT=LAYOUT_IDS[layout],
         FAST_MATH=fast_math, WORD_ASM=word_asm, STORE_ASM=word_asm and not traced,
         BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, PREFETCH=min(launch.prefetch, steps),
-        STORE_POLICY=launch.store_policy, num_warps=warps, **_register_cap(launch.maxnreg),
+        STORE_POLICY=launch.store_policy, SCALE_FROM_PARTIALS=partials is not None,
+        PARTIAL_BLOCK=partial_block, num_warps=warps, **_register_cap(launch.maxnreg),
         enable_fp_fusion=False)
     return out, out_scales
 
@@ -417,6 +461,102 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     QUANTIZE_NVFP4_OUT.triton(x, global_scale, layout, fast_math, rows, out, out_scales,
                               *library.config_fields(launch))
     return out, out_scales
+
+
+def _launch_scale_and_quantize(x, layout, fast_math, amax_launch: AmaxLaunch,
+                               launch: NVFP4Launch, traced: bool) -> tuple:
+    """``scale_and_quantize_nvfp4`` on checked arguments: the amax pass, then the quantize,
+    which finishes the global scale itself where :func:`finishes_in_quantize` says so (two
+    launches; the finish kernel as well only where the quantize grid is empty, M = 0), else
+    after the finish kernel (three)."""
+    padded_rows, padded_blocks = _nvfp4_shapes(x, layout, None)[1]
+    partials = _launch_amax(x, amax_launch, traced)
+    global_scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    if not finishes_in_quantize(padded_rows, padded_blocks, x.device, launch):
+        _launch_finish(partials, global_scale, traced)
+        return _launch_nvfp4(x, global_scale, layout, fast_math, None, None, None, launch,
+                             traced) + (global_scale,)
+    packed, scales = _launch_nvfp4(x, global_scale, layout, fast_math, None, None, None,
+                                   launch, traced, partials)
+    if padded_rows == 0 or padded_blocks == 0:  # no quantize program ran
+        _launch_finish(partials, global_scale, traced)
+    return packed, scales, global_scale
+
+
+def _check_scale_and_quantize(x, layout, fast_math, launch):
+    check_scale_and_quantize_nvfp4_args(x, layout)
+    _check_fast_math(x, fast_math, launch)
+
+
+def _scale_and_quantize_face(traced: bool):
+    def scale_and_quantize_nvfp4_op(
+            x: torch.Tensor, layout: str, fast_math: bool, amax_ptx: Optional[bool],
+            amax_num_sms: Optional[int], amax_tile_cols: int, amax_tile_rows: int,
+            amax_num_warps: int, amax_programs_per_sm: int, amax_finish_block: int,
+            ptx: Optional[bool], num_sms: Optional[int], tile_elements: int, max_blocks: int,
+            num_warps: int, steps: int, prefetch: int, maxnreg: Optional[int],
+            store_policy: str, word_asm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``moe_a2a::scale_and_quantize_nvfp4``: the arguments, the fields of
+        :class:`AmaxLaunch` (prefixed ``amax_``), then those of :class:`NVFP4Launch` ->
+        (packed [M, H/2] uint8, scales uint8 in ``layout``, global_scale [1] fp32)."""
+        amax_launch = AmaxLaunch(amax_ptx, amax_num_sms, amax_tile_cols, amax_tile_rows,
+                                 amax_num_warps, amax_programs_per_sm, amax_finish_block)
+        launch = NVFP4Launch(ptx, num_sms, tile_elements, max_blocks, num_warps, steps,
+                             prefetch, maxnreg, store_policy, word_asm)
+        _check_scale_and_quantize(x, layout, fast_math, launch)
+        return _launch_scale_and_quantize(x, layout, fast_math, amax_launch, launch, traced)
+    library.check_config_parameters(scale_and_quantize_nvfp4_op, AmaxLaunch, NVFP4Launch,
+                                    prefixes=("amax_", ""))
+    return scale_and_quantize_nvfp4_op
+
+
+def _scale_and_quantize_torch(x: torch.Tensor, layout: str, fast_math: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.scale_and_quantize_nvfp4(x, layout=layout, fast_math=fast_math,
+                                              check_values=False)
+
+
+def _scale_and_quantize_fake(x, layout, fast_math, *launch_fields):
+    packed_shape, scale_shape = _nvfp4_shapes(x, layout, None)
+    return (x.new_empty(packed_shape, dtype=torch.uint8),
+            x.new_empty(scale_shape, dtype=torch.uint8), x.new_empty(1, dtype=torch.float32))
+
+
+SCALE_AND_QUANTIZE_NVFP4 = library.register(
+    "scale_and_quantize_nvfp4", triton=_scale_and_quantize_face(True),
+    launch=_scale_and_quantize_face(False), torch_face=_scale_and_quantize_torch,
+    fake=_scale_and_quantize_fake)
+library.register_value_check("scale_and_quantize_nvfp4", check_global_scale_values)
+
+
+def scale_and_quantize_nvfp4(x: torch.Tensor, *, layout: str = "linear",
+                             fast_math: bool = False, check_values: bool = True,
+                             amax_launch: AmaxLaunch = DEFAULT_AMAX,
+                             launch: NVFP4Launch = DEFAULT_NVFP4
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_global_scale` and :func:`quantize_nvfp4` with it, in two launches instead of
+    three at decode sizes: the amax pass (``amax_launch``), then the quantize (``launch``),
+    each of whose programs finishes the global scale from the amax pass's partial maxima
+    itself (one program also writes it out); past them (:func:`finishes_in_quantize`) the
+    three launches of the two ops. Bit-exact to ``kernels.reference.scale_and_quantize_nvfp4``,
+    whose contract it shares (read its docstring): x [M, H] bf16/fp16/fp32, H % 16 == 0, any
+    strides; layout; fast_math (GPU only). check_values: True reads the global scale after
+    the launches (one host sync) and raises the oracle's ValueError for one outside
+    [2^-126, 2^126]; False: no sync (CUDA graphs).
+    Returns (packed [M, H/2] uint8, scales uint8 e4m3 bits in ``layout``, global_scale [1]
+    fp32). Runs the registered op ``moe_a2a::scale_and_quantize_nvfp4.triton`` (directly in
+    eager mode)."""
+    _check_scale_and_quantize(x, layout, fast_math, launch)
+    if library.eager_bypass(x):
+        result = _launch_scale_and_quantize(x, layout, fast_math, amax_launch, launch,
+                                            traced=False)
+    else:
+        result = SCALE_AND_QUANTIZE_NVFP4.triton(x, layout, fast_math,
+                                                 *library.config_fields(amax_launch),
+                                                 *library.config_fields(launch))
+    if check_values:
+        library.run_value_check("scale_and_quantize_nvfp4", [result[2]], [])
+    return result
 
 
 def _launch_mx(x: torch.Tensor, fp4: bool, launch: BlockLaunch,

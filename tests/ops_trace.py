@@ -180,6 +180,8 @@ def guard_cases(tokens: int) -> dict:
             x_, gs_, "linear", False, None, *fields(nvfp4)), (x, gs)),
         "quantize_nvfp4 swizzled_128x4": (lambda x_, gs_: registered["quantize_nvfp4"].body(
             x_, gs_, "swizzled_128x4", False, None, *fields(nvfp4)), (x, gs)),
+        "scale_and_quantize_nvfp4": (body("scale_and_quantize_nvfp4", "linear", False,
+                                          *fields(amax), *fields(nvfp4)), (x,)),
         "quantize_mxfp8": (body("quantize_mxfp8", *fields(block)), (x,)),
         "quantize_mxfp4": (body("quantize_mxfp4", *fields(block)), (x,)),
         "dequantize_nvfp4": (lambda p, s, g: registered["dequantize_nvfp4"].body(

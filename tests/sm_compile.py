@@ -90,6 +90,7 @@ def launch_everything() -> None:
                 Q.quantize_nvfp4(x, gs, layout=layout, launch=nvfp4)
                 Q.quantize_nvfp4(x, gs, layout=layout, fast_math=True, launch=nvfp4)
             Q.nvfp4_global_scale(x)
+            Q.scale_and_quantize_nvfp4(x, check_values=False, launch=nvfp4)
             if hidden % 32 == 0:
                 Q.quantize_mxfp8(x, launch=block)
                 Q.quantize_mxfp4(x, launch=block)

@@ -365,8 +365,7 @@ steps, k, e = chain.steps, shape["top_k"], shape["experts"]
 alone = [
     lambda: steps.route(chain.logits, k, "deepseek_v3", **routing_options(chain.bias)),
     lambda: steps.plan(out.topk_ids, e, 1, max_tokens_per_rank=16),
-    lambda: steps.global_scale(chain.x),
-    lambda: steps.quantize(chain.x, out.global_scale),
+    lambda: steps.quantize(chain.x),
     lambda: steps.permute(out.topk_ids, e),
     lambda: steps.gather(out.packed, out.permutation.source_rows, scales=out.scales, top_k=k),
     lambda: steps.unpermute(chain.expert_out, out.permutation, out.topk_weights),

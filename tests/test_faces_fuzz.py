@@ -394,6 +394,16 @@ def case_global_scale(d: Draw):
     return f"x {x.dtype} {tuple(x.shape)}", (x,), {}
 
 
+def case_scale_and_quantize(d: Draw):
+    shape = (d.choice([0, 1, 3, 40]), d.choice([0, 16, 33, 48]))
+    x = d.floats(shape, d.choice(FLOATS))
+    if d.chance(0.2):
+        x = x.to(torch.int32) if d.chance(0.5) else x.reshape(-1)
+    kwargs = dict(layout=d.choice(list(SCALE_LAYOUTS) + ["blocked"] * d.chance(0.1)),
+                  check_values=d.chance(0.5))
+    return f"x {x.dtype} {tuple(x.shape)} {kwargs}", (x,), kwargs
+
+
 def case_quantize_mx(d: Draw):
     shape = (d.choice([0, 1, 3, 17, 130]), d.choice([0, 32, 96]))
     x = d.floats(shape, d.choice(FLOATS))
@@ -522,6 +532,8 @@ OPS = {
                        triton_quantize.quantize_nvfp4, None),
     "nvfp4_global_scale": (case_global_scale, reference.nvfp4_global_scale,
                            triton_quantize.nvfp4_global_scale, None),
+    "scale_and_quantize_nvfp4": (case_scale_and_quantize, reference.scale_and_quantize_nvfp4,
+                                 triton_quantize.scale_and_quantize_nvfp4, None),
     "quantize_mxfp8": (case_quantize_mx, reference.quantize_mxfp8,
                        triton_quantize.quantize_mxfp8, None),
     "quantize_mxfp4": (case_quantize_mx, reference.quantize_mxfp4,

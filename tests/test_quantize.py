@@ -64,6 +64,61 @@ def test_global_scale_matches_reference(device, seed, dtype):
     assert Q.nvfp4_global_scale(torch.zeros(5, 32, device=device)).tolist() == [1.0]
 
 
+@pytest.mark.parametrize("dtype,num_rows,hidden", [
+    (torch.bfloat16, 0, 16), (torch.bfloat16, 1, 48), (torch.float16, 7, 16),
+    (torch.float32, 7, 16), (torch.bfloat16, 40, 32)])
+def test_scale_and_quantize_is_the_two_ops(device, seed, dtype, num_rows, hidden):
+    """The fused op's three outputs are the bits of the global scale and the quantize with it,
+    on every layout, on the kernel, the stage function (both backends) and the oracle. On the
+    linear layout the amax pass's grid is also capped at 1 and at 5 programs (so that each
+    quantize program reduces one or several partials, in one or several steps), and the
+    three-launch form runs (``finishes_in_quantize`` False)."""
+    x = _hard_input(num_rows, hidden, dtype, device)
+    gs = R.nvfp4_global_scale(x)
+    for layout in SCALE_LAYOUTS:
+        expected = R.quantize_nvfp4(x, gs, layout=layout) + (gs,)
+        _assert_same(R.scale_and_quantize_nvfp4(x, layout=layout), expected)
+        _assert_same(Q.scale_and_quantize_nvfp4(x, layout=layout), expected)
+        for backend in ("triton", "torch"):
+            _assert_same(A.scale_and_quantize_nvfp4(x, layout=layout, backend=backend),
+                         expected)
+    expected = R.quantize_nvfp4(x, gs) + (gs,)
+    for amax_launch in (Q.AmaxLaunch(num_sms=1, programs_per_sm=1, finish_block=2),
+                        Q.AmaxLaunch(num_sms=5, programs_per_sm=1, finish_block=2)):
+        _assert_same(Q.scale_and_quantize_nvfp4(x, amax_launch=amax_launch), expected)
+    # the other form: the finish launch, then the quantize (a config tile of one row and one
+    # step has no small-M bucket)
+    row_tiles = Q.NVFP4Launch(tile_elements=16, steps=1)
+    blocks = hidden // 16
+    assert Q.finishes_in_quantize(num_rows, blocks, device, Q.DEFAULT_NVFP4)
+    assert not Q.finishes_in_quantize(num_rows, blocks, device, row_tiles)
+    _assert_same(Q.scale_and_quantize_nvfp4(x, launch=row_tiles), expected)
+
+
+def test_scale_and_quantize_refuses_what_the_two_ops_refuse(device):
+    """A NaN or an inf in x gives a scale quantize_nvfp4 refuses under check_values (the same
+    ValueError on both faces, after the launches on Triton); with check_values=False both
+    faces give the same bits. A bad layout or H is refused before anything runs."""
+    x = _hard_input(6, 32, torch.bfloat16, device)
+    for special in (float("nan"), float("inf")):
+        bad = x.clone()
+        bad[2, 5] = special
+        for face in (R.scale_and_quantize_nvfp4, Q.scale_and_quantize_nvfp4):
+            with pytest.raises(ValueError, match="global_scale holds"):
+                face(bad)
+        _assert_same(Q.scale_and_quantize_nvfp4(bad, check_values=False),
+                     R.scale_and_quantize_nvfp4(bad, check_values=False))
+    for face in (R.scale_and_quantize_nvfp4, Q.scale_and_quantize_nvfp4):
+        with pytest.raises(ValueError, match="layout"):
+            face(x, layout="blocked")
+        with pytest.raises(ValueError, match="multiple of 16"):
+            face(x[:, :24])
+        with pytest.raises(TypeError):
+            face(x.to(torch.int32))
+    with pytest.raises(BackendUnavailable, match="global-scale"):
+        A.scale_and_quantize_nvfp4(x, backend="flashinfer")
+
+
 def test_rows_gather_out_buffers_and_padding(device, seed):
     x = _hard_input(40, 48, torch.bfloat16, device)
     gs = R.nvfp4_global_scale(x)

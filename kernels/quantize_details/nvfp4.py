@@ -8,6 +8,7 @@ import triton.language as tl
 
 from kernels.quantize_details.formats import (FLT_MAX_C, INV6, e4m3_round, max_nan, rcp_approx,
                                               scale_block_offsets, scale_row_offsets)
+from kernels.quantize_details.scales import global_scale_of
 from kernels.quantize_details.words import (e2m1_pairs, e2m1_words, load_words, pair_amax,
                                             source_rows, store_bytes, unpack_words, words_amax)
 
@@ -15,16 +16,20 @@ from kernels.quantize_details.words import (e2m1_pairs, e2m1_words, load_words, 
 @triton.jit
 def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales_ptr,
                           num_rows, num_src_rows, hidden, stride_row,
-                          padded_rows, padded_blocks,
+                          padded_rows, padded_blocks, partial_ptr, num_partials,
                           HAS_ROWS: tl.constexpr, IN_KIND: tl.constexpr,
                           LAYOUT: tl.constexpr, FAST_MATH: tl.constexpr,
                           WORD_ASM: tl.constexpr, STORE_ASM: tl.constexpr,
                           BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, STEPS: tl.constexpr,
-                          PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr):
+                          PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr,
+                          SCALE_FROM_PARTIALS: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
     """A program quantizes BLOCK_ROWS rows over STEPS consecutive tiles of BLOCKS scale blocks
     (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before working on the
     current one, so a thread has loads in flight while it computes. STORE_ASM: the block
-    scales are stored by inline PTX (``store_bytes``; with WORD_ASM only)."""
+    scales are stored by inline PTX (``store_bytes``; with WORD_ASM only).
+    SCALE_FROM_PARTIALS: the global scale is computed from the amax pass's partials
+    (``global_scale_of``) and program (0, 0) writes it to ``global_scale_ptr``; else it is
+    read from there."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
     num_blocks = hidden // 16
@@ -32,7 +37,6 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
     in_ptrs = words_ptr + src * stride_row
     out_ptrs = out_ptr + rows.to(tl.int64) * (hidden // 2)
     scale_ptrs = scales_ptr + scale_row_offsets(rows, padded_blocks, LAYOUT)
-    global_scale = tl.load(global_scale_ptr)
     # A block of 16 elements is 8 words, read as two halves of 4 (``load_halves``).
     # cur: this step's tile; ahead / ahead2: the next two (PREFETCH 2 / 3); new: the tile
     # PREFETCH steps ahead, loaded before this step's work
@@ -41,6 +45,15 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
         ahead = load_halves(in_ptrs, row_ok, block_start + BLOCKS, num_blocks, BLOCKS)
     if PREFETCH > 2 and STEPS > 2:
         ahead2 = load_halves(in_ptrs, row_ok, block_start + 2 * BLOCKS, num_blocks, BLOCKS)
+    # (after the first tiles' loads are issued: the scale's own loads overlap them)
+    if SCALE_FROM_PARTIALS:
+        # The global scale's finish in every program (num_partials floats from L2, the
+        # global-scale op's amax pass): one launch fewer than the finish kernel then this one.
+        global_scale = global_scale_of(partial_ptr, num_partials, PARTIAL_BLOCK)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(global_scale_ptr, global_scale)
+    else:
+        global_scale = tl.load(global_scale_ptr)
     for step in tl.static_range(STEPS):  # unrolled: no loop-carried register moves
         if step + PREFETCH < STEPS:  # the tile PREFETCH steps ahead, in flight meanwhile
             new = load_halves(in_ptrs, row_ok, block_start + (step + PREFETCH) * BLOCKS,

@@ -33,9 +33,16 @@ def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride
 
 @triton.jit
 def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr):
-    """Pass 2 (one program): amax = max(partial[:num_partials]), read BLOCK at a time;
-    out = 448 * 6 / amax with an IEEE division, 1.0 when amax == 0 (or num_partials == 0), a
-    NaN written as the canonical one (``round_to``)."""
+    """Pass 2 (one program): out = :func:`global_scale_of` the partials."""
+    tl.store(out_ptr, global_scale_of(partial_ptr, num_partials, BLOCK))
+
+
+@triton.jit
+def global_scale_of(partial_ptr, num_partials, BLOCK: tl.constexpr):
+    """amax = max(partial[:num_partials]), read BLOCK at a time; returns 448 * 6 / amax with
+    an IEEE division, 1.0 when amax == 0 (or num_partials == 0), a NaN as the canonical one
+    (``round_to``). The finish kernel stores it; the fused quantize
+    (``nvfp4_quantize_kernel`` with SCALE_FROM_PARTIALS) computes it in every program."""
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
     start = 0
@@ -47,7 +54,7 @@ def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.con
     # amax == 0 gives 1.0 below; dividing by 1 there avoids a division by zero.
     scale = tl.math.div_rn(tl.full((), GLOBAL_NUMERATOR, tl.float32),
                            tl.where(amax == 0, 1.0, amax))
-    tl.store(out_ptr, round_to(tl.where(amax == 0, 1.0, scale), tl.float32))
+    return round_to(tl.where(amax == 0, 1.0, scale), tl.float32)
 
 
 @triton.jit

@@ -17,5 +17,6 @@ from kernels.reference.quant import (dequantize_mxfp4, dequantize_mxfp8,  # noqa
                                      dequantize_nvfp4, e2m1_code, e2m1_value, e4m3_code,
                                      e4m3_value, e8m0_code, e8m0_value, nvfp4_global_scale,
                                      quantize_mxfp4, quantize_mxfp8, quantize_nvfp4,
-                                     scale_offsets, swizzle_scales, unswizzle_scales)
+                                     scale_and_quantize_nvfp4, scale_offsets, swizzle_scales,
+                                     unswizzle_scales)
 from kernels.reference.routing import route_topk  # noqa: F401

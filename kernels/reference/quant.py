@@ -41,7 +41,8 @@ from kernels.spec.quant import (E2M1_MAX, E4M3_MAX, FLT_MAX, LAYOUT_BLOCK_TILE, 
                                 check_dequantize_mx_args, check_dequantize_nvfp4_args,
                                 check_global_scale_values, check_layout, check_quant_input,
                                 check_quantize_nvfp4_args, check_quantize_nvfp4_values,
-                                check_swizzle_args, check_unswizzle_args, swizzled_scale_shape)
+                                check_scale_and_quantize_nvfp4_args, check_swizzle_args,
+                                check_unswizzle_args, swizzled_scale_shape)
 from kernels.spec.tensors import check_tensor
 
 
@@ -274,6 +275,27 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
     if out_scales is not None:
         scales = out_scales.copy_(scales)
     return packed, scales
+
+
+def scale_and_quantize_nvfp4(x: torch.Tensor, *, layout: str = "linear", fast_math: bool = False,
+                             check_values: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_global_scale` and :func:`quantize_nvfp4` of ``x`` with it, as one op: what a
+    sending rank computes of its own rows.
+
+    x: [M, H] bf16/fp16/fp32, H % 16 == 0, any strides; layout and fast_math as in
+    :func:`quantize_nvfp4`. check_values: True: read the global scale (one host sync) and
+    raise quantize_nvfp4's ValueError for one outside [2^-126, 2^126] (x with a NaN or an
+    inf, or with amax(x) below ~3.2e-35); False: nothing is read (CUDA graphs) and such a
+    scale gives the codes its arithmetic gives, on every face.
+    Returns (packed [M, H/2] uint8, scales uint8 in ``layout``, global_scale [1] fp32): the
+    same bits as the two ops called one after the other.
+    """
+    check_scale_and_quantize_nvfp4_args(x, layout)
+    global_scale = nvfp4_global_scale(x)
+    packed, scales = quantize_nvfp4(x, global_scale, layout=layout, fast_math=fast_math,
+                                    check_values=check_values)
+    return packed, scales, global_scale
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *,

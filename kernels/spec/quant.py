@@ -136,6 +136,13 @@ def check_quantize_nvfp4_args(x: torch.Tensor, global_scale: torch.Tensor, layou
     return num_rows, padded_rows, padded_blocks
 
 
+def check_scale_and_quantize_nvfp4_args(x: torch.Tensor, layout: str) -> None:
+    """The host-side checks of ``scale_and_quantize_nvfp4`` (every face), before anything is
+    computed: x [M, H] bf16/fp16/fp32 with H % 16 == 0 (any strides) and a known layout."""
+    check_quant_input(x, NVFP4_BLOCK)
+    check_layout(layout)
+
+
 def check_quantize_nvfp4_values(global_scale: torch.Tensor, rows: Optional[torch.Tensor],
                                 num_src_rows: int) -> None:
     """The device-read checks of ``quantize_nvfp4`` (its ``check_values``), in one host read:
