@@ -71,6 +71,7 @@ from a2a.protocol import (MAX_CHUNKS, PrepareTimeout, advance_call, arrivals_add
                           new_status, publish_flag, raise_on_timeout, record_timeouts,
                           wait_for_flags)
 from kernels.prepare import carve, launch_local_plan, raise_on_bad_ids
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan
@@ -211,7 +212,7 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
 def _region_ints(max_tokens_per_rank: int, top_k: int, slot_count: int) -> tuple[int, ...]:
     """(region_ints, hist_off, ids_off, weights_off) in 32-bit words, 16-byte aligned."""
     def align(n):
-        return triton.cdiv(n, 4) * 4
+        return cdiv(n, 4) * 4
     hist_off = HEADER_INTS
     ids_off = hist_off + align(slot_count)
     weights_off = ids_off + align(max_tokens_per_rank * top_k)
@@ -236,7 +237,7 @@ def prepare_workspace_words(ep_size: int, max_tokens_per_rank: int, top_k: int,
 def exchange_chunks(ep_size: int, max_tokens_per_rank: int, max_programs: int) -> int:
     """C, the chunks per (source, destination): the exchange grid is (R, C). Every rank must
     get the same C, i.e. use the same ``PrepareConfig.max_programs``."""
-    by_rows = triton.cdiv(max(max_tokens_per_rank, 1), MIN_CHUNK_ROWS)
+    by_rows = cdiv(max(max_tokens_per_rank, 1), MIN_CHUNK_ROWS)
     return max(1, min(MAX_CHUNKS, max_programs // ep_size, by_rows))
 
 
@@ -269,11 +270,11 @@ def exchange_config(ep_size: int, max_tokens: int, top_k: int, slots: int,
     pieces, _ = carve((ep_size, rows, rows * top_k, rows * top_k, ep_size * slots, 2 * ep_size))
     return ExchangeConfig(
         words=prepare_workspace_words(ep_size, max_tokens, top_k, slots, slots), chunks=chunks,
-        chunk_rows=triton.cdiv(max(max_tokens, 1), chunks),
-        tail_rows=triton.cdiv(max_tokens * ep_size, ep_size * chunks), region=region,
+        chunk_rows=cdiv(max(max_tokens, 1), chunks),
+        tail_rows=cdiv(max_tokens * ep_size, ep_size * chunks), region=region,
         hist_off=hist_off, ids_off=ids_off, weights_off=weights_off,
-        k_pad=triton.next_power_of_2(top_k), r_pad=triton.next_power_of_2(ep_size),
-        s_pad=triton.next_power_of_2(slots), pieces=pieces)
+        k_pad=next_power_of_2(top_k), r_pad=next_power_of_2(ep_size),
+        s_pad=next_power_of_2(slots), pieces=pieces)
 
 
 def triton_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor, workspace: torch.Tensor,

@@ -20,6 +20,7 @@ from torch.library import wrap_triton
 from kernels import library, reference
 from kernels.casting import round_to
 from kernels.hardware import can_run_ptx
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.permute import (check_gather_inputs, check_gather_values,
                                   check_inverse_values, check_unpermute_inputs,
                                   check_unpermute_tensors)
@@ -105,10 +106,10 @@ def _launch_gather(tables: list[torch.Tensor], rows: torch.Tensor, top_k: int,
     out_words = [o.view(torch.uint8).view(words[0]) for o in outs]
     widths = [int(t.shape[1]) for t in table_words]  # static: a traced width is specialised
     # the tile from the first row width (static), the grid from the row count
-    block_words = min(GATHER_TILE_WORDS_PER_ROW, triton.next_power_of_2(max(widths[0], 1)))
+    block_words = min(GATHER_TILE_WORDS_PER_ROW, next_power_of_2(max(widths[0], 1)))
     block_rows = GATHER_TILE_WORDS // block_words
-    col_blocks = [triton.cdiv(width, block_words) for width in widths]
-    grid = (triton.cdiv(rows.numel(), block_rows), sum(col_blocks))
+    col_blocks = [cdiv(width, block_words) for width in widths]
+    grid = (cdiv(rows.numel(), block_rows), sum(col_blocks))
     second = 1 if len(tables) == 2 else 0
     kernel = wrap_triton(_gather_rows_kernel) if traced else _gather_rows_kernel
     kernel[grid](table_words[0], out_words[0], table_words[second], out_words[second], rows,
@@ -264,9 +265,9 @@ def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
     if out.numel() == 0:
         return out
     expert_out = expert_out.contiguous()
-    block_cols = min(UNPERMUTE_BLOCK_COLS, triton.next_power_of_2(hidden))
+    block_cols = min(UNPERMUTE_BLOCK_COLS, next_power_of_2(hidden))
     block_tokens = UNPERMUTE_TILE // block_cols
-    grid = (triton.cdiv(num_tokens, block_tokens), triton.cdiv(hidden, block_cols))
+    grid = (cdiv(num_tokens, block_tokens), cdiv(hidden, block_cols))
     kernel = wrap_triton(_unpermute_and_reduce_kernel) if traced else _unpermute_and_reduce_kernel
     kernel[grid](expert_out, inverse.contiguous(), topk_weights, out, num_tokens,
                  expert_out.shape[0], hidden, topk_weights.stride(0), topk_weights.stride(1),

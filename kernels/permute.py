@@ -25,6 +25,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
 from kernels.spec.tensors import check_expert_ids
 from kernels.spec.values import read_to_host
@@ -123,7 +124,7 @@ ONEHOT_PERMUTE = PermuteLaunch(form="three_pass", place_rank=RANK_ONEHOT, block_
 
 def histogram_bins(num_local_experts: int) -> int:
     """Bins of the expert histograms: E_local rounded up to a power of two, at least 32."""
-    return max(MIN_HISTOGRAM_BINS, triton.next_power_of_2(num_local_experts))
+    return max(MIN_HISTOGRAM_BINS, next_power_of_2(num_local_experts))
 
 
 # =============================================================================================
@@ -415,22 +416,22 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
     # the chunk no wider than those pairs, and at least one id per thread (no replicated
     # layout under the histogram).
     most = launch.single_limit(num_local_experts)
-    chunk = max(min(launch.single_chunk, triton.next_power_of_2(most)), 32 * warps)
-    slice_pairs = max(8, min(triton.next_power_of_2(triton.cdiv(most, launch.single_programs)),
+    chunk = max(min(launch.single_chunk, next_power_of_2(most)), 32 * warps)
+    slice_pairs = max(8, min(next_power_of_2(cdiv(most, launch.single_programs)),
                              SINGLE_COMPARE_TILE // chunk))
-    programs = torch.sym_max(1 + triton.cdiv(num_pairs, slice_pairs),
-                             triton.cdiv(capacity, launch.single_fill))
+    programs = torch.sym_max(1 + cdiv(num_pairs, slice_pairs),
+                             cdiv(capacity, launch.single_fill))
     # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no
     # padding), FILL_EXPERTS experts of about 32 entries per thread.
-    align_tile = min(triton.next_power_of_2(align - 1), 1024) if align > 1 else 0
-    fill_experts = max(1, min(triton.next_power_of_2(num_local_experts),
+    align_tile = min(next_power_of_2(align - 1), 1024) if align > 1 else 0
+    fill_experts = max(1, min(next_power_of_2(num_local_experts),
                               32 * 32 * warps // max(align_tile, 1)))
     kernel = wrap_triton(_permute_single_kernel) if traced else _permute_single_kernel
     kernel[(programs,)](
         topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range, num_pairs,
         capacity, first_expert, num_local_experts, align, CHUNK=chunk, SLICE=slice_pairs,
         BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
-        ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, triton.next_power_of_2(launch.single_fill)),
+        ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, next_power_of_2(launch.single_fill)),
         num_warps=warps)
 
 
@@ -440,7 +441,7 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     block_pairs = launch.block_pairs
-    num_blocks = triton.cdiv(num_pairs, block_pairs)
+    num_blocks = cdiv(num_pairs, block_pairs)
     # Scratch: block_counts / block_starts [num_blocks, E_local], block_id_range
     # [num_blocks, 2].
     sizes = (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks)
@@ -449,7 +450,7 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
     block_counts, block_starts, block_id_range = torch.split(scratch, padded)
 
     bins = histogram_bins(num_local_experts)
-    fill_blocks = triton.cdiv(capacity, block_pairs)      # capacity >= num_pairs
+    fill_blocks = cdiv(capacity, block_pairs)      # capacity >= num_pairs
     count = wrap_triton(_count_block_experts_kernel) if traced else _count_block_experts_kernel
     scan = wrap_triton(_scan_blocks_kernel) if traced else _scan_blocks_kernel
     place = wrap_triton(_place_pairs_kernel) if traced else _place_pairs_kernel
@@ -458,7 +459,7 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
             topk_ids, block_counts, block_id_range, source_rows, num_pairs, num_blocks,
             capacity, first_expert, num_local_experts, BLOCK_PAIRS=block_pairs,
             EXPERT_BINS=bins, num_warps=4)
-    scan[(triton.cdiv(num_local_experts, launch.expert_chunk),)](
+    scan[(cdiv(num_local_experts, launch.expert_chunk),)](
         block_counts, block_starts, expert_counts, block_id_range, id_range, num_blocks,
         num_local_experts, SCAN_BLOCKS=launch.scan_blocks, EXPERT_CHUNK=launch.expert_chunk,
         num_warps=4)

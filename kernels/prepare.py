@@ -49,6 +49,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_expert_ids
 from kernels.spec.values import read_to_host
@@ -233,8 +234,8 @@ HIST_MIN_BINS = 32
 def block_tokens(max_tokens: int, ep_size: int) -> int:
     """Tokens per program of the local-plan kernels (a power of two), from N = max_tokens (not
     from T: the compiled kernels must not depend on T)."""
-    by_tile = TILE_ELEMENTS // triton.next_power_of_2(ep_size)
-    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, by_tile, triton.next_power_of_2(max(max_tokens, 1))))
+    by_tile = TILE_ELEMENTS // next_power_of_2(ep_size)
+    return max(MIN_BLOCK_T, min(MAX_BLOCK_T, by_tile, next_power_of_2(max(max_tokens, 1))))
 
 
 class PlanConfig(NamedTuple):
@@ -275,10 +276,10 @@ def static_config(max_tokens, ep_size: int, top_k, slots: int) -> PlanConfig:
 def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanConfig:
     """The launch constants of ``local_send_plan`` for N, R, k, S (cached: pure function)."""
     def align(n):  # int32 words -> multiple of 4 (16 bytes)
-        return triton.cdiv(n, 4) * 4
+        return cdiv(n, 4) * 4
     block_t = block_tokens(max_tokens, ep_size)
-    max_blocks = max(1, triton.cdiv(max_tokens, block_t))
-    index_programs = max(max_blocks, triton.cdiv(max_tokens * ep_size, TAIL_CHUNK))
+    max_blocks = max(1, cdiv(max_tokens, block_t))
+    index_programs = max(max_blocks, cdiv(max_tokens * ep_size, TAIL_CHUNK))
     hist_offset = align(max_blocks * ep_size)
     bad_offset = hist_offset + align(max_blocks * slots)
     error_offset = bad_offset + align(max_blocks)
@@ -286,11 +287,11 @@ def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanCo
     pieces, _ = carve((ep_size, ep_size, max_tokens * ep_size, max_tokens * ep_size, slots,
                        error_offset + 1))
     return PlanConfig(
-        block_t=block_t, index_programs=index_programs, r_pad=triton.next_power_of_2(ep_size),
-        s_pad=max(HIST_MIN_BINS, triton.next_power_of_2(slots)),
-        flat=triton.next_power_of_2(block_t * top_k),
-        nb_pad=triton.next_power_of_2(max_blocks),
-        bins=triton.next_power_of_2(triton.cdiv(slots, index_programs)),
+        block_t=block_t, index_programs=index_programs, r_pad=next_power_of_2(ep_size),
+        s_pad=max(HIST_MIN_BINS, next_power_of_2(slots)),
+        flat=next_power_of_2(block_t * top_k),
+        nb_pad=next_power_of_2(max_blocks),
+        bins=next_power_of_2(cdiv(slots, index_programs)),
         hist_offset=hist_offset, bad_offset=bad_offset, error_offset=error_offset,
         pieces=pieces, single=max_blocks == 1)
 
@@ -302,7 +303,7 @@ def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Te
     ``traced``: through ``wrap_triton`` (the op's body), else the kernels."""
     num_tokens, top_k = topk_ids.shape
     cfg = static_config(max_tokens, ep_size, top_k, slots)
-    num_blocks = torch.sym_max(1, triton.cdiv(num_tokens, cfg.block_t))
+    num_blocks = torch.sym_max(1, cdiv(num_tokens, cfg.block_t))
     slots_per_rank = slots // ep_size
     if cfg.single:  # every T <= N is one block: its counts are the totals
         single = wrap_triton(_single_plan_kernel) if traced else _single_plan_kernel

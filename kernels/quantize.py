@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 from torch.library import wrap_triton
 
 from kernels import hardware, library, reference
@@ -35,6 +34,7 @@ from kernels.quantize_details.nvfp4 import nvfp4_quantize_kernel
 from kernels.quantize_details.scales import (amax_partial_kernel, global_scale_finish_kernel,
                                              scale_layout_kernel)
 from kernels.quantize_details.words import as_pairs
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, QUANT_INPUT_DTYPES, SCALE_LAYOUTS,
                                 check_dequantize_mx_args, check_dequantize_nvfp4_args,
                                 check_global_scale_values, check_quant_input,
@@ -146,10 +146,10 @@ def tile_shape(num_rows: int, num_blocks: int, block: int, device: torch.device,
     thread at most). The columns come from H alone and the choice is one comparison on M, so a
     traced M gets one compiled kernel per bucket, not one per M."""
     # int(): the width is static (a traced size is specialised here, as for every constexpr)
-    blocks = min(launch.max_blocks, triton.next_power_of_2(max(int(num_blocks), 1)))
+    blocks = min(launch.max_blocks, next_power_of_2(max(int(num_blocks), 1)))
     block_rows = max(1, launch.tile_elements // (blocks * block))
     if block_rows > 1 and not fills_device(
-            triton.cdiv(num_rows, block_rows) * triton.cdiv(num_blocks, blocks), device, launch):
+            cdiv(num_rows, block_rows) * cdiv(num_blocks, blocks), device, launch):
         block_rows = 1
     warps = max(1, min(launch.num_warps, block_rows * blocks // 32))
     return block_rows, blocks, warps
@@ -173,13 +173,13 @@ def _nvfp4_config_tile(num_rows: int, num_blocks: int, device: torch.device,
     """(BLOCK_ROWS, BLOCKS, STEPS) of the config's tile and whether M falls in the small-M
     bucket (that tile's grid would not have 2 programs per SM)."""
     # int(): the width is static (a traced size is specialised here, as for every constexpr)
-    blocks = min(launch.max_blocks, triton.next_power_of_2(max(int(num_blocks), 1)))
+    blocks = min(launch.max_blocks, next_power_of_2(max(int(num_blocks), 1)))
     block_rows = max(1, launch.tile_elements // (blocks * NVFP4_BLOCK))
-    col_tiles = triton.cdiv(num_blocks, blocks)
+    col_tiles = cdiv(num_blocks, blocks)
     steps = max(1, min(launch.steps, col_tiles))
-    steps = triton.cdiv(col_tiles, triton.cdiv(col_tiles, steps)) if col_tiles else 1
+    steps = cdiv(col_tiles, cdiv(col_tiles, steps)) if col_tiles else 1
     small = (block_rows > 1 or steps > 1) and not fills_device(
-        triton.cdiv(num_rows, block_rows) * triton.cdiv(col_tiles, steps), device, launch)
+        cdiv(num_rows, block_rows) * cdiv(col_tiles, steps), device, launch)
     return block_rows, blocks, steps, small
 
 
@@ -211,19 +211,19 @@ def _launch_amax(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> tuple:
     count and the config; M only sets the grid (``torch.sym_min``: no branch on M) and the
     loop count."""
     num_rows, hidden = x.shape
-    cols = min(launch.tile_cols, triton.next_power_of_2(max(int(hidden), 1)))
+    cols = min(launch.tile_cols, next_power_of_2(max(int(hidden), 1)))
     block_rows = max(launch.tile_rows, launch.tile_rows * launch.tile_cols // cols)
-    num_tiles = triton.cdiv(num_rows, block_rows) * triton.cdiv(hidden, cols)
+    num_tiles = cdiv(num_rows, block_rows) * cdiv(hidden, cols)
     most = max(1, launch.programs_per_sm * launch.sms(x.device))  # the grid's capacity
     num_programs = torch.sym_min(num_tiles, most)
     partial = torch.empty(most, dtype=torch.float32, device=x.device)
     amax = wrap_triton(amax_partial_kernel) if traced else amax_partial_kernel
     if x.numel():
         amax[(num_programs,)](x, partial, num_rows, hidden, x.stride(0), x.stride(1),
-                              triton.cdiv(num_tiles, num_programs), BLOCK_ROWS=block_rows,
+                              cdiv(num_tiles, num_programs), BLOCK_ROWS=block_rows,
                               COLS=cols, num_warps=launch.num_warps)
     return (partial, num_programs if x.numel() else 0,
-            min(launch.finish_block, triton.next_power_of_2(most)))
+            min(launch.finish_block, next_power_of_2(most)))
 
 
 def _launch_finish(partials: tuple, out: torch.Tensor, traced: bool) -> None:
@@ -323,8 +323,8 @@ def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
         out_scales = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
     block_rows, blocks, warps, steps = nvfp4_tile_shape(padded_rows, padded_blocks, x.device,
                                                         launch)
-    grid = (triton.cdiv(padded_rows, block_rows),
-            triton.cdiv(triton.cdiv(padded_blocks, blocks), steps))
+    grid = (cdiv(padded_rows, block_rows),
+            cdiv(cdiv(padded_blocks, blocks), steps))
     if padded_rows == 0 or padded_blocks == 0:
         return out, out_scales
     words, stride_row, in_kind = as_pairs(x)
@@ -570,7 +570,7 @@ def _launch_mx(x: torch.Tensor, fp4: bool, launch: BlockLaunch,
     scales = torch.empty((num_rows, hidden // MX_BLOCK), dtype=torch.uint8, device=x.device)
     block_rows, blocks, warps = tile_shape(num_rows, hidden // MX_BLOCK, MX_BLOCK, x.device,
                                            launch)
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // MX_BLOCK, blocks))
+    grid = (cdiv(num_rows, block_rows), cdiv(hidden // MX_BLOCK, blocks))
     if num_rows and hidden:
         words, stride_row, in_kind = as_pairs(x)
         kernel = wrap_triton(mx_quantize_kernel) if traced else mx_quantize_kernel
@@ -661,7 +661,7 @@ def _launch_relayout(src: torch.Tensor, layout: str, num_rows: int, num_blocks: 
     dst = torch.empty(shape, dtype=torch.uint8, device=src.device)
     cover_rows, cover_blocks = shape
     block_rows, blocks = 32, 32
-    grid = (triton.cdiv(cover_rows, block_rows), triton.cdiv(cover_blocks, blocks))
+    grid = (cdiv(cover_rows, block_rows), cdiv(cover_blocks, blocks))
     if cover_rows and cover_blocks:
         kernel = wrap_triton(scale_layout_kernel) if traced else scale_layout_kernel
         kernel[grid](src, dst, num_rows, num_blocks, padded_blocks, cover_rows, cover_blocks,
@@ -747,7 +747,7 @@ def _launch_dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden,
     out = torch.empty((num_rows, hidden), dtype=dtype, device=packed.device)
     block_rows, blocks, warps = tile_shape(num_rows, hidden // block, block, packed.device,
                                            launch)
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden // block, blocks))
+    grid = (cdiv(num_rows, block_rows), cdiv(hidden // block, blocks))
     if num_rows and hidden:
         kernel = wrap_triton(dequantize_kernel) if traced else dequantize_kernel
         kernel[grid](packed, scales, global_scale, out, num_rows, hidden, padded_blocks,

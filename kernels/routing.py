@@ -79,6 +79,7 @@ from triton.language.extra import libdevice
 
 from kernels import library, reference
 from kernels.hardware import interpreting
+from kernels.sizes import next_power_of_2
 from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
 # Low 16 bits of a packed key hold ID_LIMIT - id: larger for smaller ids, so ties go to the
@@ -771,11 +772,11 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     grouped = topk_groups < num_groups
     groups = num_groups if grouped else 1
     experts_per_group = num_experts // groups
-    groups_pad = triton.next_power_of_2(groups)
-    group_pad = triton.next_power_of_2(experts_per_group)
+    groups_pad = next_power_of_2(groups)
+    group_pad = next_power_of_2(experts_per_group)
     rows_per_program = tokens_per_program(num_tokens, groups_pad * group_pad, launch)
     grid = (-(-num_tokens // rows_per_program),)
-    keep_pad = triton.next_power_of_2(topk_groups) if grouped else 1
+    keep_pad = next_power_of_2(topk_groups) if grouped else 1
     compact = launch.compact if grouped else COMPACT_NONE
     # KEYS_QUEUES: one warp whose lanes each hold whole queues of 4 (16-byte vectors of the
     # logits' dtype); other launches take the KEYS_SPLIT32 rounds.
@@ -797,7 +798,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
         EXPERTS_PER_GROUP=experts_per_group, NUM_GROUPS=groups,
         TOPK_GROUPS=topk_groups if grouped else 1,
         GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_TOKENS=rows_per_program,
+        TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_TOKENS=rows_per_program,
         KEEP_PAD=keep_pad,
         COMPACT=compact, KEYS=keys,
         GROUP_SELECT=launch.group_select if grouped else GROUP_ROUNDS,

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-import triton
 
 from a2a.config import TransportConfig
 from a2a.protocol import MAX_CHUNKS, new_status, raise_on_timeout
@@ -18,6 +17,7 @@ from a2a.triton_transport.receive import recv_kernel, transfer_kernel
 from a2a.triton_transport.send import send_kernel, send_nvfp4_kernel
 from kernels.quantize import nvfp4_word_asm
 from kernels.quantize_details.words import as_pairs
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.quant import NVFP4_BLOCK, check_global_scale
 from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan
@@ -198,7 +198,7 @@ def triton_dispatch_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, plan: All
     words, stride_row, in_kind = as_pairs(x)
     chunks = transport_chunks(ep_size, config.max_programs)
     launch = config.nvfp4_launch
-    blocks = min(launch.max_blocks, triton.next_power_of_2(hidden // NVFP4_BLOCK))
+    blocks = min(launch.max_blocks, next_power_of_2(hidden // NVFP4_BLOCK))
     block_rows = max(1, launch.tile_elements // NVFP4_BLOCK // blocks)
     constants = copy_constants(ep_size, row_bytes)  # the receive kernel's
     num_out_rows = max_rows * ep_size
@@ -262,15 +262,15 @@ def triton_combine(rows: torch.Tensor, plan: AlltoallPlan, workspace: torch.Tens
                                     plan.recv_rank_local_indices, plan, workspace, call_counter,
                                     config.max_programs)
     out = torch.empty((num_tokens, row_elems), dtype=dtype, device=device)
-    block_elems = min(REDUCE_ELEMS, triton.next_power_of_2(row_elems))
-    tiles = triton.cdiv(num_tokens, REDUCE_TOKENS) * triton.cdiv(row_elems, block_elems)
+    block_elems = min(REDUCE_ELEMS, next_power_of_2(row_elems))
+    tiles = cdiv(num_tokens, REDUCE_TOKENS) * cdiv(row_elems, block_elems)
     grid = (max(1, min(tiles, 2 * config.max_programs)),)
     reduce_kernel[grid](
         out, slot_map, workspace, workspace.stride(0), call_counter, status, plan.ep_rank,
         ep_size, max_rows, num_tokens, chunks, config.timeout_spins,
         FLAG_WORDS=constants["FLAG_WORDS"], ROW_ELEMS=row_elems, ELEM_BYTES=elem_bytes,
         TOP_K=top_k, MAX_CHUNKS=MAX_CHUNKS,
-        FLAG_BLOCK=triton.next_power_of_2(ep_size * chunks), BLOCK_TOKENS=REDUCE_TOKENS,
+        FLAG_BLOCK=next_power_of_2(ep_size * chunks), BLOCK_TOKENS=REDUCE_TOKENS,
         BLOCK_ELEMS=block_elems, num_warps=REDUCE_WARPS)
     if check:
         raise_on_timeout(status, plan.ep_rank, "transport")

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from a2a.protocol import MAX_CHUNKS, check_call_counter, check_status, check_workspace
 from a2a.workspace import ROW_ALIGN_BYTES, check_row_bytes
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.tensors import check_tensor
 from kernels.types import AlltoallPlan
 
@@ -73,7 +74,7 @@ def nvfp4_row_bytes(hidden: int) -> int:
 
 def copy_tile(row_words: int) -> tuple[int, int]:
     """(BLOCK_ROWS, BLOCK_WORDS) of the copy tiles for rows of ``row_words`` words."""
-    block_words = min(triton.next_power_of_2(row_words), TILE_WORDS)
+    block_words = min(next_power_of_2(row_words), TILE_WORDS)
     return max(1, TILE_WORDS // block_words), block_words
 
 
@@ -89,7 +90,7 @@ def copy_constants(ep_size: int, row_bytes: int) -> dict:
 
 def tail_rows(num_out_rows: int, ep_size: int, chunks: int) -> int:
     """Output rows per receive program (R x chunks of them) for zeroing the output's tail."""
-    return triton.cdiv(max(num_out_rows, 1), ep_size * chunks)
+    return cdiv(max(num_out_rows, 1), ep_size * chunks)
 
 
 # ---------------------------------------------------------------------------------------------
