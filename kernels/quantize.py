@@ -189,8 +189,10 @@ def finishes_in_quantize(num_rows: int, num_blocks: int, device: torch.device,
     programs (2 launches) rather than in the one-program finish launch (3): in the small-M
     bucket of :func:`nvfp4_tile_shape` (T <= 527 at H = 7168 on an H200), the decode sizes,
     where a launch costs more than the work. Past it every one of the quantize's many
-    programs would read the amax pass's partial maxima, hundreds of them: on an H200 the
-    overlapped decode chain at T = 2048 took about 3 us longer that way."""
+    programs would read the amax pass's partial maxima, hundreds of them, before its first
+    store: more than the finish launch saves (the overlapped decode chain at T = 2048 was
+    slower that way on an H200; the decode rows of bench/results show the chain with the
+    rule)."""
     return _nvfp4_config_tile(num_rows, num_blocks, device, launch)[3]
 
 

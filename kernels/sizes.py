@@ -2,10 +2,10 @@
 ``triton.cdiv`` and ``triton.next_power_of_2`` as plain functions.
 
 Triton's two are ``constexpr_function`` objects, usable inside kernels too, whose call from
-Python unwraps every argument first: about 4 us a call on the CPU of this project's machines
-against 0.05 us for the arithmetic itself, and a launcher makes up to a dozen such calls per op
-call. The launchers run on every eager call (and at trace time, on ``torch.SymInt`` sizes,
-which take the same operators), so they use these.
+Python unwraps every argument first: it costs microseconds, the arithmetic a small fraction of
+that, and a launcher makes up to a dozen such calls per op call. The launchers run on every
+eager call (and at trace time, on ``torch.SymInt`` sizes, which take the same operators), so
+they use these.
 """
 
 from __future__ import annotations
