@@ -15,6 +15,11 @@ bits; ``kernels.spec``):
 ``torch.ops.moe_a2a.<op>.torch``   the plain-torch oracle (``kernels.reference``), an opaque
                                    ``custom_op`` (it reads values: boolean masks, sorts).
 
+An eager call of a ``.triton`` overload on CPU or CUDA tensors runs its body (wrap_triton off,
+as triton_op's own eager kernel) from the device's backend key, with the autograd key falling
+through (:func:`register`): the cost of a low-level op's dispatch instead of a custom op's
+Python layers.
+
 Call an overload explicitly: where the two have the same schema (ops without a launch config)
 the packet ``torch.ops.moe_a2a.<op>(...)`` cannot tell them apart. The ``.triton`` overload
 takes the op's launch config unpacked into plain arguments (a schema cannot hold a dataclass),
@@ -30,9 +35,9 @@ The public functions (the launchers in ``kernels/<op>.py``, the stage functions 
 keep their signatures: they run the shared argument checks (shape, dtype and device reads only,
 which ``torch.compile`` traces), then call the op. In eager mode, with plain tensors and no
 dispatch mode active, they skip the dispatcher and run the op's launch directly
-(:func:`eager_bypass`): the same kernels with the same arguments, so the same bits, without the
-tens of microseconds a custom op's dispatch costs per call (the bench's ``ops`` stage measures
-the three: op, public function, raw launch). Under ``torch.compile`` (and any tracing, fake or
+(:func:`eager_bypass`): the same kernels with the same arguments, so the same bits, without
+even the dispatcher's cost (the bench's ``ops`` stage measures the three: op, public function,
+raw launch). Under ``torch.compile`` (and any tracing, fake or
 functional tensors, a TorchDispatchMode) the op itself is called.
 
 Device-read checks (``check_values`` / ``check_ids``) read tensors on the host. Eagerly they run
@@ -45,14 +50,22 @@ same ValueError; it is registered as side-effecting so that no compiler removes 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch.library import custom_op, triton_op
+from torch.library import Library, custom_op, fallthrough_kernel, triton_op
 
 from kernels.hardware import interpreting
+
+try:  # the switch triton_op's own eager kernel turns wrap_triton off with (torch >= 2.6)
+    from torch._library import triton as _torch_triton
+    _WRAP_STATE = _torch_triton.wrap_triton_enabled
+    _WRAP_DEFAULT = _torch_triton.wrap_triton_enabled_default
+except (ImportError, AttributeError):  # pragma: no cover - wrap_triton then dispatches (slower)
+    _WRAP_STATE = None
 
 NAMESPACE = "moe_a2a"
 TRITON = "triton"
@@ -90,6 +103,11 @@ class RegisteredOp:
 # ``kernels.ops`` imports them all).
 REGISTERED: dict[str, RegisteredOp] = {}
 
+# The eager kernels of the ``.triton`` overloads (:func:`register`): on a fragment of their own,
+# under the custom ops' registrations. The devices whose backend key gets the op's raw launch.
+_EAGER_KERNELS = Library(NAMESPACE, "IMPL")
+EAGER_DEVICES = ("CPU", "CUDA")
+
 
 def register(name: str, *, triton: Callable, launch: Callable, torch_face: Callable,
              fake: Callable, mutates_args: Sequence[str] = ()) -> RegisteredOp:
@@ -109,6 +127,19 @@ def register(name: str, *, triton: Callable, launch: Callable, torch_face: Calla
     else:
         triton_def = triton_op(f"{qualname}.{TRITON}", triton, mutates_args=mutates)
     triton_def.register_fake(fake)  # replaces triton_op's body-as-fake: one fake per op
+    # An eager call of the .triton overload on real tensors runs the body as triton_op's own
+    # eager kernel does (wrap_triton off: the kernels launched directly; the op's outputs,
+    # which never alias) from the device's backend key, and its autograd key falls through:
+    # the custom op's Python autograd wrapper and output aliasing check are skipped, the
+    # dispatcher's cost of a low-level op. The ops have no derivatives (their outputs never
+    # require grad, as on the public functions' eager path). Tracing (fake tensors,
+    # functionalization, proxies) dispatches at the Python key above the backend keys, to the
+    # fake and triton_op's own decomposition, as before; a mutating op's ADInplaceOrView kernel
+    # (version counters) still runs.
+    eager = _unwrapped(triton)
+    for device_key in EAGER_DEVICES:
+        _EAGER_KERNELS.impl(f"{name}.{TRITON}", eager, device_key)
+        _EAGER_KERNELS.impl(f"{name}.{TRITON}", fallthrough_kernel, f"Autograd{device_key}")
     torch_def = custom_op(f"{qualname}.{TORCH}", torch_face, mutates_args=mutates)
     torch_def.register_fake(fake)
     packet = getattr(getattr(torch.ops, NAMESPACE), name)
@@ -116,6 +147,23 @@ def register(name: str, *, triton: Callable, launch: Callable, torch_face: Calla
                       body=triton, launch=launch)
     REGISTERED[name] = op
     return op
+
+
+def _unwrapped(body: Callable) -> Callable:
+    """``body`` run with ``wrap_triton`` off, as triton_op runs it eagerly (its
+    ``set_wrap_triton_enabled(False)``, without the context manager's cost): each
+    ``wrap_triton(kernel)`` is then the kernel itself."""
+    @functools.wraps(body)
+    def eager(*args):
+        if _WRAP_STATE is None:
+            return body(*args)
+        previous = getattr(_WRAP_STATE, "value", _WRAP_DEFAULT)
+        _WRAP_STATE.value = False
+        try:
+            return body(*args)
+        finally:
+            _WRAP_STATE.value = previous
+    return eager
 
 
 def check_config_parameters(fn: Callable, *config_classes: type,
@@ -148,10 +196,9 @@ def eager_bypass(*tensors: Optional[torch.Tensor]) -> bool:
     name, fake or functional tensors), and plain tensors (no subclass). The launch is then
     exactly the op's, so the results are the same bits.
 
-    Why a bypass rather than a cheaper registration: an op defined on a
-    ``torch.library.Library`` fragment with a ``CompositeExplicitAutograd`` kernel costs a
-    fraction of a ``custom_op``'s dispatch, but has no ``triton_op`` form, so Inductor would not
-    see (nor the compile cache hash) the kernels; docs/design.md, "Registered ops"."""
+    The op's own eager dispatch is cheap too (a backend kernel under a fallthrough autograd
+    key: :func:`register`), but the bypass skips the dispatcher altogether; docs/design.md,
+    "Registered ops"."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     for t in tensors:

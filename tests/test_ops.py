@@ -80,6 +80,22 @@ def test_op_names_are_the_registered_ops():
         assert op.torch.name() == f"moe_a2a::{name}.torch"
 
 
+def test_triton_overload_dispatches_eagerly_to_the_raw_launch(device):
+    """Every .triton overload has a kernel at the CPU and CUDA keys and a fallthrough at their
+    autograd keys (kernels.library.register): an input that requires grad gives an output
+    that does not (a custom op's own autograd kernel would mark it; the ops have no
+    derivatives), with the raw launch's bits."""
+    for name, op in ops.registered_ops().items():
+        for key in ("CPU", "CUDA", "AutogradCPU", "AutogradCUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(op.triton.name(), key), \
+                (name, key)
+    op = ops.registered_ops()["unpermute_and_reduce"]
+    expert_out, inverse, weights = make_case("unpermute_and_reduce", device).triton
+    out = op.triton(expert_out, inverse, weights.clone().requires_grad_())
+    assert not out.requires_grad
+    assert torch.equal(out, op.launch(expert_out, inverse, weights))
+
+
 @pytest.mark.parametrize("name", ops.OP_NAMES)
 def test_overloads_give_the_public_and_oracle_bits(name, device):
     op = ops.registered_ops()[name]
