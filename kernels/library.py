@@ -104,7 +104,7 @@ class RegisteredOp:
 REGISTERED: dict[str, RegisteredOp] = {}
 
 # The eager kernels of the ``.triton`` overloads (:func:`register`): on a fragment of their own,
-# under the custom ops' registrations. The devices whose backend key gets the op's raw launch.
+# under the custom ops' registrations. The devices whose backend keys get them.
 _EAGER_KERNELS = Library(NAMESPACE, "IMPL")
 EAGER_DEVICES = ("CPU", "CUDA")
 
