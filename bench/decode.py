@@ -7,7 +7,7 @@ routed scaling 2.5, H=7168, x bf16; the interpreter runs tiny ones, :class:`Deco
     local_send_plan(topk_ids, E, ep_size)            -> LocalSendPlan (who sends what where)
     scale_and_quantize_nvfp4(x)                      -> packed [T, H/2] uint8, scales [T, H/16],
         (nvfp4_global_scale(x), then quantize_nvfp4     global_scale [1] fp32
-         with it: two launches up to T = 527)
+         with it: 2 launches at decode sizes)
     permute_by_expert(topk_ids, E)                   -> Permutation, P = T*k permuted rows
     gather_rows(packed, source_rows, scales=scales)  -> [P, H/2] uint8, [P, H/16] uint8
         (payload "nvfp4": the rows a receiving rank hands its grouped GEMM), or
