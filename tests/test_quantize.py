@@ -95,6 +95,21 @@ def test_scale_and_quantize_is_the_two_ops(device, seed, dtype, num_rows, hidden
     _assert_same(Q.scale_and_quantize_nvfp4(x, launch=row_tiles), expected)
 
 
+@pytest.mark.parametrize("num_rows", [32, 33])
+def test_scale_and_quantize_rule_branch_point(device, seed, num_rows):
+    """Both sides of ``finishes_in_quantize``: at H=64 the config's tile holds 32 rows, so on
+    one SM (``num_sms=1``) 32 rows are one program (the small-M bucket: 2 launches) and 33 are
+    two (the config's tile: 3 launches), on the linear layout (the swizzled ones pad the rows
+    to 128: 3 launches); every form gives the two ops' bits."""
+    x = _hard_input(num_rows, 64, torch.bfloat16, device)
+    launch = Q.NVFP4Launch(num_sms=1)
+    assert Q.finishes_in_quantize(num_rows, 4, device, launch) == (num_rows == 32)
+    gs = R.nvfp4_global_scale(x)
+    for layout in SCALE_LAYOUTS:
+        _assert_same(Q.scale_and_quantize_nvfp4(x, layout=layout, launch=launch),
+                     R.quantize_nvfp4(x, gs, layout=layout) + (gs,))
+
+
 def test_scale_and_quantize_refuses_what_the_two_ops_refuse(device):
     """A NaN or an inf in x gives a scale quantize_nvfp4 refuses under check_values (the same
     ValueError on both faces, after the launches on Triton); with check_values=False both
