@@ -80,7 +80,7 @@ def test_op_names_are_the_registered_ops():
         assert op.torch.name() == f"moe_a2a::{name}.torch"
 
 
-def test_triton_overload_dispatches_eagerly_to_the_raw_launch(device):
+def test_triton_overload_dispatches_eagerly_below_autograd(device):
     """Every .triton overload has a kernel at the CPU and CUDA keys and a fallthrough at their
     autograd keys (kernels.library.register): an input that requires grad gives an output
     that does not (a custom op's own autograd kernel would mark it; the ops have no
