@@ -71,7 +71,7 @@ from a2a.protocol import (MAX_CHUNKS, PrepareTimeout, advance_call, arrivals_add
                           new_status, publish_flag, raise_on_timeout, record_timeouts,
                           wait_for_flags)
 from kernels.prepare import carve, launch_local_plan, raise_on_bad_ids
-from kernels.sizes import cdiv, next_power_of_2
+from kernels.sizes import cdiv, next_power_of_2, round_up
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_tensor
 from kernels.types import UNUSED, AlltoallPlan
@@ -211,8 +211,8 @@ def _exchange_kernel(ws_ptr, ws_row_stride, topk_ids_ptr, topk_weights_ptr, send
 
 def _region_ints(max_tokens_per_rank: int, top_k: int, slot_count: int) -> tuple[int, ...]:
     """(region_ints, hist_off, ids_off, weights_off) in 32-bit words, 16-byte aligned."""
-    def align(n):
-        return cdiv(n, 4) * 4
+    def align(n):  # int32 words -> multiple of 4 (16 bytes)
+        return round_up(n, 4)
     hist_off = HEADER_INTS
     ids_off = hist_off + align(slot_count)
     weights_off = ids_off + align(max_tokens_per_rank * top_k)

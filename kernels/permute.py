@@ -25,7 +25,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
-from kernels.sizes import cdiv, next_power_of_2
+from kernels.sizes import cdiv, next_power_of_2, round_up
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
 from kernels.spec.tensors import check_expert_ids
 from kernels.spec.values import read_to_host
@@ -400,7 +400,7 @@ def _place_pairs_kernel(topk_ids_ptr, block_starts_ptr, expert_counts_ptr, exper
 def _pieces(*sizes: int) -> list[int]:
     """Sizes rounded up to whole 128-byte stretches of int32, so that every view cut from one
     allocation starts 16-byte aligned (Triton specialises pointers on that)."""
-    return [-(-size // 32) * 32 for size in sizes]
+    return [round_up(size, 32) for size in sizes]
 
 
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,

@@ -49,7 +49,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
-from kernels.sizes import cdiv, next_power_of_2
+from kernels.sizes import cdiv, next_power_of_2, round_up
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_expert_ids
 from kernels.spec.values import read_to_host
@@ -276,7 +276,7 @@ def static_config(max_tokens, ep_size: int, top_k, slots: int) -> PlanConfig:
 def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanConfig:
     """The launch constants of ``local_send_plan`` for N, R, k, S (cached: pure function)."""
     def align(n):  # int32 words -> multiple of 4 (16 bytes)
-        return cdiv(n, 4) * 4
+        return round_up(n, 4)
     block_t = block_tokens(max_tokens, ep_size)
     max_blocks = max(1, cdiv(max_tokens, block_t))
     index_programs = max(max_blocks, cdiv(max_tokens * ep_size, TAIL_CHUNK))

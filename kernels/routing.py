@@ -79,7 +79,7 @@ from triton.language.extra import libdevice
 
 from kernels import library, reference
 from kernels.hardware import interpreting
-from kernels.sizes import next_power_of_2
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
 # Low 16 bits of a packed key hold ID_LIMIT - id: larger for smaller ids, so ties go to the
@@ -757,7 +757,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     ``wrap_triton`` (the op's body), else the kernel itself."""
     num_tokens, num_experts = logits.shape
     # E is static: a traced E is specialised here, before the launch constants are taken from
-    # it (triton.next_power_of_2 of a symbolic size builds expressions sympy takes minutes on)
+    # it (next_power_of_2 of a symbolic size builds expressions sympy takes minutes on)
     num_experts = int(num_experts)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
@@ -775,7 +775,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
     groups_pad = next_power_of_2(groups)
     group_pad = next_power_of_2(experts_per_group)
     rows_per_program = tokens_per_program(num_tokens, groups_pad * group_pad, launch)
-    grid = (-(-num_tokens // rows_per_program),)
+    grid = (cdiv(num_tokens, rows_per_program),)
     keep_pad = next_power_of_2(topk_groups) if grouped else 1
     compact = launch.compact if grouped else COMPACT_NONE
     # KEYS_QUEUES: one warp whose lanes each hold whole queues of 4 (16-byte vectors of the

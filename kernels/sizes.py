@@ -1,5 +1,5 @@
 """Host-side size arithmetic of the launchers: ``cdiv`` and ``next_power_of_2``, the formulas of
-``triton.cdiv`` and ``triton.next_power_of_2`` as plain functions.
+``triton.cdiv`` and ``triton.next_power_of_2`` as plain functions, and ``round_up``.
 
 Triton's two are ``constexpr_function`` objects, usable inside kernels too, whose call from
 Python unwraps every argument first: it costs microseconds, the arithmetic a small fraction of
@@ -14,6 +14,11 @@ from __future__ import annotations
 def cdiv(x, y):
     """``ceil(x / y)`` for a non-negative x and a positive y: ``(x + y - 1) // y``."""
     return (x + y - 1) // y
+
+
+def round_up(n, multiple):
+    """n rounded up to a multiple of ``multiple`` (non-negative n, positive multiple)."""
+    return cdiv(n, multiple) * multiple
 
 
 def next_power_of_2(n):

@@ -2,7 +2,7 @@
 
 import triton
 
-from kernels.sizes import cdiv, next_power_of_2
+from kernels.sizes import cdiv, next_power_of_2, round_up
 
 
 def test_same_as_triton():
@@ -10,3 +10,4 @@ def test_same_as_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 7, 16, 128, 1000, 2**20):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+            assert round_up(n, d) == triton.cdiv(n, d) * d, (n, d)
