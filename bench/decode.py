@@ -45,7 +45,10 @@ table). On a GPU the chain is then captured in a CUDA graph and :data:`REPLAY_CH
 checked, each after new logits and activations are copied into the captured input buffers
 (:func:`check_replays`), before the runner times it. Each row also records ``launches``: the
 device activities (kernels, copies, memsets) one call of the chain makes, counted with
-torch.profiler on a GPU.
+torch.profiler on a GPU. At the token counts where its target judges it
+(:data:`PAIRED_TOKENS`), the ``triton_compiled_graph`` row also records ``paired_us``: its
+graph and the ``triton`` row's timed again in alternation (:func:`paired_times`), which the
+target reads.
 
 The library is imported inside the functions (bench/stages.py says why).
 """
@@ -91,6 +94,9 @@ COMPILED_GRAPH_BACKEND = "triton_compiled_graph"
 OVERLAP_BACKEND = "triton_overlap"
 # The token counts whose chain time has a target (bench/targets.py).
 TARGET_TOKENS = (16, 64, 256, 2048)
+# The token counts where the compiled chain's graph is judged against the uncompiled chain's
+# (bench/targets.py): there its row also times the two in alternation (paired_times).
+PAIRED_TOKENS = (16, 64, 256)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +477,22 @@ def check_replays(chain: DecodeChain, run: Callable[[], DecodeOutputs], inputs: 
     return other_sets
 
 
+def paired_times(chain: DecodeChain, backend: str, versus: str, inputs: dict,
+                 shape: dict) -> dict:
+    """``chain`` (the ``backend`` row's) and a new chain of the ``versus`` row (``triton``: the
+    uncompiled chain), each captured as CUDA graphs and replayed in alternation
+    (``bench.timing.time_graphs_interleaved``): {backend: us, versus: us}, the medians, for the
+    target that judges the one row against the other (bench/targets.py reads them instead of
+    the two rows' own times, which were taken minutes apart)."""
+    from bench.timing import time_graphs_interleaved
+    if versus != "triton":
+        raise ValueError(f"no chain to pair with for versus={versus!r}")
+    other = DecodeChain(triton_steps(), inputs, shape)
+    with torch.cuda.device(chain.x.device):
+        times = time_graphs_interleaved({backend: chain, versus: other})
+    return {name: round(timing.median_us, 3) for name, timing in times.items()}
+
+
 def count_launches(fn: Callable[[], Any], device: torch.device,
                    calls: int = LAUNCH_COUNT_CALLS) -> Optional[int]:
     """Device activities (kernels, copies, memsets) per call of ``fn``: torch.profiler over
@@ -513,7 +535,7 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
     def chain_path(backend: str, routing_backend: str, timed: str,
                    compiled: bool = False, graphed: bool = True,
-                   overlapped: bool = False) -> Path:
+                   overlapped: bool = False, paired_with: str = "") -> Path:
         holder: dict = {}
 
         def factory():
@@ -547,8 +569,14 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         path = make_path(backend, factory, capture_safe=graphed, timed=timed, check=check)
         if path.run is None:
             return path
-        return dataclasses.replace(
-            path, facts=lambda: {"launches": count_launches(path.run, device)})
+
+        def facts() -> dict:
+            found = {"launches": count_launches(path.run, device)}
+            if paired_with and device.type == "cuda" and shape["tokens"] in PAIRED_TOKENS:
+                found["paired_us"] = paired_times(holder["chain"], backend, paired_with,
+                                                  inputs, shape)
+            return found
+        return dataclasses.replace(path, facts=facts)
 
     oracle = make_path("torch", lambda: lambda: oracle_chain(inputs, shape))
     oracle = dataclasses.replace(
@@ -566,7 +594,7 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                        compiled=True, graphed=False),
             chain_path(COMPILED_GRAPH_BACKEND, "triton",
                        "timed: the triton_compiled chain captured and replayed as one CUDA "
-                       "graph", compiled=True),
+                       "graph", compiled=True, paired_with="triton"),
             chain_path("flashinfer_routing", "flashinfer",
                        "timed: the chain with FlashInfer's fused_topk_deepseek as its routing "
                        "step, the other steps Triton"),

@@ -15,7 +15,9 @@ and ``torch``, the oracle overload (``.torch``), which every row is checked agai
 eager calls (the cost is the host's, which a CUDA graph would hide); the public calls pass
 ``check_ids=False`` / ``check_values=False`` (the raw launch reads nothing on the host either).
 The targets (bench/targets.py): ``triton_op`` and ``triton_public`` each at most 2 us above
-``triton_raw``.
+``triton_raw``, judged on a GPU by ``paired_us``: the host's time per call of the row and of the
+raw launch, measured in alternation (``bench.timing.time_host_interleaved``), because eager
+timings of microsecond calls taken one row after the other drift more than the 2 us judged.
 
 :func:`op_call` builds one call of each op, the arguments of both overloads, the public function
 and the oracle; ``tests/test_ops.py`` uses the same calls. The library is imported inside the
@@ -247,14 +249,29 @@ def _paths(inputs: dict, shape: dict, ctx) -> list[Path]:
         outputs = tensors_of(result)
         return tuple(t if i in call.tolerant else bits(t) for i, t in enumerate(outputs))
 
+    def raw():
+        return op.launch(*call.triton)
+
+    def with_host_times(path: Path) -> Path:
+        """``paired_us``: the host's time per call of this row and of the raw launch, timed
+        in alternation (``bench.timing.time_host_interleaved``; the target reads them)."""
+        if device.type != "cuda" or path.run is None:
+            return path
+        from bench.timing import time_host_interleaved
+
+        def facts() -> dict:
+            times = time_host_interleaved({path.backend: path.run, "triton_raw": raw}, device)
+            return {"paired_us": {name: round(t.median_us, 3) for name, t in times.items()}}
+        return dataclasses.replace(path, facts=facts)
+
     public = make_path("triton_public", lambda: call.public,
                        timed="timed: the public function (eager bypass)")
     public = dataclasses.replace(public, normalize=public_outputs)
-    return [row("triton_raw", lambda: op.launch(*call.triton), call.triton,
-                "timed: RegisteredOp.launch, no dispatcher"),
-            public,
-            row("triton_op", lambda: op.triton(*call.triton), call.triton,
-                f"timed: torch.ops.moe_a2a.{shape['op']}.triton through the dispatcher"),
+    return [row("triton_raw", raw, call.triton, "timed: RegisteredOp.launch, no dispatcher"),
+            with_host_times(public),
+            with_host_times(row("triton_op", lambda: op.triton(*call.triton), call.triton,
+                                f"timed: torch.ops.moe_a2a.{shape['op']}.triton through the "
+                                f"dispatcher")),
             row("torch", lambda: op.torch(*call.torch), call.torch,
                 f"the oracle overload torch.ops.moe_a2a.{shape['op']}.torch")]
 

@@ -8,6 +8,9 @@ Three clocks, one result type (:class:`Timing`, microseconds):
   capture is ended and torch's CUDA generator repaired, never left half-captured), or
   :func:`time_graph_flushed` (the same with an L2 flush before each call, the flush's own time
   subtracted); all give the median and the 20th / 80th percentiles.
+  :func:`time_graphs_interleaved` times several calls by graph replay in alternation, for rows
+  whose ratio is judged (their medians from the same stretch of time), and
+  :func:`time_host_interleaved` the host's time per call of several functions the same way.
 - :func:`time_fixed`: a fixed number of event-timed calls, for collectives: every rank must call
   the op the same number of times (``do_bench`` picks its count from a first estimate, which
   differs per rank and would deadlock). ``before`` / ``after`` run untimed around each call
@@ -47,6 +50,8 @@ FLUSH_BYTES = 256 << 20
 # calls of a few microseconds: hundreds per replay, capped at MAX_CALLS_PER_GRAPH), sized from
 # GRAPH_ESTIMATE_REPLAYS replays of a one-call graph; GRAPH_SAMPLES replays give the quantiles.
 GRAPH_REPLAY_MS, GRAPH_SAMPLES, GRAPH_ESTIMATE_REPLAYS, MAX_CALLS_PER_GRAPH = 1.0, 20, 3, 500
+# Host time per call (time_host_interleaved): rounds of this many back-to-back calls per function.
+HOST_CALLS, HOST_ROUNDS = 50, 20
 # Calls of a collective per measurement (fixed so that every rank issues the same sequence).
 FIXED_WARMUP, FIXED_REPS = 5, 30
 # Collectives by graph replay: calls per graph and replays (samples), the same on every rank.
@@ -260,6 +265,59 @@ def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
     del many
     torch.cuda.synchronize()
     return _from_samples(times, "cuda_graph")
+
+
+def time_graphs_interleaved(fns: dict[str, Callable[[], object]], *,
+                            replay_ms: float = GRAPH_REPLAY_MS,
+                            samples: int = 2 * GRAPH_SAMPLES) -> dict[str, Timing]:
+    """Time several capture-safe calls by CUDA-graph replay, interleaved: each gets its graph of
+    ``n`` calls (as :func:`time_graph`), then the graphs are replayed in turn, ``samples``
+    rounds, the order reversed every other round. Every name's median then comes from the same
+    stretch of time as the others', so a drift of the machine's speed over a run (clocks, a
+    neighbour) does not fall between two rows compared with each other. Returns name -> its
+    :class:`Timing` (method ``cuda_graph_interleaved``)."""
+    graphs = {name: _sized_graph(fn, replay_ms) for name, fn in fns.items()}
+    for graph, _, stream in graphs.values():
+        _replay_ms(graph, stream, 1)  # warm replay
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    order = list(graphs)
+    for round_index in range(samples):
+        for name in (order if round_index % 2 == 0 else order[::-1]):
+            graph, calls, stream = graphs[name]
+            times[name].append(_replay_ms(graph, stream, 1) / calls)
+    del graphs
+    torch.cuda.synchronize()
+    return {name: _from_samples(values, "cuda_graph_interleaved")
+            for name, values in times.items()}
+
+
+def time_host_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, *,
+                          calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS
+                          ) -> dict[str, Timing]:
+    """The host's time per call of several functions, interleaved: each round times ``calls``
+    calls of each function back to back (``time.perf_counter``, no sync between them: their
+    launches queue up, so the host's cost is what is measured while it stays ahead of the
+    device), the device drained before each batch, the order reversed every other round.
+    Returns name -> :class:`Timing` (method ``host_interleaved``) of the per-call times. (A CPU
+    ``device`` has nothing to drain.)"""
+    def drain():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for fn in fns.values():
+        fn()  # warm
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for round_index in range(rounds):
+        for name in (order if round_index % 2 == 0 else order[::-1]):
+            fn = fns[name]
+            drain()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) * 1e3 / calls)
+    drain()
+    return {name: _from_samples(values, "host_interleaved") for name, values in times.items()}
 
 
 def time_graph_flushed(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,

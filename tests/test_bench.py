@@ -921,3 +921,45 @@ def test_gpu_ops_stage_times_every_op_three_ways(tmp_path):
             assert r["ok"] is True and r["shape"]["tokens"] == 16, r
         assert rows[(name, "triton_op")]["target_pass"] is not None
         assert rows[(name, "triton_public")]["target_pass"] is not None
+
+
+def test_ratio_target_reads_the_paired_times_where_the_row_has_them():
+    """The compiled chain's target (<= 1.0 x the uncompiled chain) judges the two graphs timed
+    in alternation (``paired_us``, bench.decode.paired_times) when the row carries them, else
+    the two rows' own times."""
+    def row(backend, time_us, paired=None):
+        record = {"stage": "decode", "backend": backend, "time_us": time_us, "gbps": None,
+                  "shape": dict(tokens=16, hidden=7168, experts=256, top_k=8,
+                                payload="nvfp4", ep_size=1)}
+        if paired is not None:
+            record["paired_us"] = paired
+        return record
+    rows = [row("triton", 15.0), row("triton_compiled_graph", 18.0,
+                                     {"triton_compiled_graph": 16.4, "triton": 16.5})]
+    judge_targets(rows)
+    assert rows[1]["target_pass"] is True  # 16.4 <= 16.5, though 18.0 > 15.0
+    rows = [row("triton", 15.0), row("triton_compiled_graph", 14.0,
+                                     {"triton_compiled_graph": 16.6, "triton": 16.5})]
+    judge_targets(rows)
+    assert rows[1]["target_pass"] is False  # 16.6 > 16.5, though 14.0 < 15.0
+    rows = [row("triton", 15.0), row("triton_compiled_graph", 15.5)]
+    judge_targets(rows)
+    assert rows[1]["target_pass"] is False  # no pairing: the rows' own times
+    # the decode chain pairs its rows at the token counts of the ratio targets
+    from bench.decode import PAIRED_TOKENS
+    from bench.targets import TARGETS
+    assert {t.match["tokens"] for t in TARGETS if t.kind == "max_ratio_vs_backend"
+            and t.stage == "decode"} == set(PAIRED_TOKENS)
+
+
+def test_host_interleaved_timing_alternates_and_times_per_call():
+    """bench.timing.time_host_interleaved: every function gets rounds x calls calls (plus one
+    warm call), the order of each round reversed every other round; per-call times in us."""
+    from bench.timing import time_host_interleaved
+    seen = []
+    fns = {name: (lambda name=name: seen.append(name)) for name in ("a", "b")}
+    times = time_host_interleaved(fns, torch.device("cpu"), calls=3, rounds=4)
+    assert set(times) == {"a", "b"} and all(t.method == "host_interleaved" for t in times.values())
+    assert all(t.median_us >= 0 for t in times.values())
+    assert seen == ["a", "b"] + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3 \
+        + ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
