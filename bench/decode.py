@@ -477,19 +477,16 @@ def check_replays(chain: DecodeChain, run: Callable[[], DecodeOutputs], inputs: 
     return other_sets
 
 
-def paired_times(chain: DecodeChain, backend: str, versus: str, inputs: dict,
-                 shape: dict) -> dict:
-    """``chain`` (the ``backend`` row's) and a new chain of the ``versus`` row (``triton``: the
-    uncompiled chain), each captured as CUDA graphs and replayed in alternation
-    (``bench.timing.time_graphs_interleaved``): {backend: us, versus: us}, the medians, for the
-    target that judges the one row against the other (bench/targets.py reads them instead of
-    the two rows' own times, which were taken minutes apart)."""
+def paired_times(chain: DecodeChain, backend: str, inputs: dict, shape: dict) -> dict:
+    """``chain`` (the ``backend`` row's) and a new uncompiled chain (the ``triton`` row's), each
+    captured as CUDA graphs and replayed in alternation
+    (``bench.timing.time_graphs_interleaved``): {backend: us, "triton": us}, the medians, for
+    the target that judges the one row against the other (bench/targets.py reads them instead
+    of the two rows' own times, which were taken minutes apart)."""
     from bench.timing import time_graphs_interleaved
-    if versus != "triton":
-        raise ValueError(f"no chain to pair with for versus={versus!r}")
     other = DecodeChain(triton_steps(), inputs, shape)
     with torch.cuda.device(chain.x.device):
-        times = time_graphs_interleaved({backend: chain, versus: other})
+        times = time_graphs_interleaved({backend: chain, "triton": other})
     return {name: round(timing.median_us, 3) for name, timing in times.items()}
 
 
@@ -535,7 +532,7 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
     def chain_path(backend: str, routing_backend: str, timed: str,
                    compiled: bool = False, graphed: bool = True,
-                   overlapped: bool = False, paired_with: str = "") -> Path:
+                   overlapped: bool = False, paired: bool = False) -> Path:
         holder: dict = {}
 
         def factory():
@@ -572,9 +569,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
         def facts() -> dict:
             found = {"launches": count_launches(path.run, device)}
-            if paired_with and device.type == "cuda" and shape["tokens"] in PAIRED_TOKENS:
-                found["paired_us"] = paired_times(holder["chain"], backend, paired_with,
-                                                  inputs, shape)
+            if paired and device.type == "cuda" and shape["tokens"] in PAIRED_TOKENS:
+                found["paired_us"] = paired_times(holder["chain"], backend, inputs, shape)
             return found
         return dataclasses.replace(path, facts=facts)
 
@@ -594,7 +590,7 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                        compiled=True, graphed=False),
             chain_path(COMPILED_GRAPH_BACKEND, "triton",
                        "timed: the triton_compiled chain captured and replayed as one CUDA "
-                       "graph", compiled=True, paired_with="triton"),
+                       "graph", compiled=True, paired=True),
             chain_path("flashinfer_routing", "flashinfer",
                        "timed: the chain with FlashInfer's fused_topk_deepseek as its routing "
                        "step, the other steps Triton"),

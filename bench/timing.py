@@ -267,6 +267,13 @@ def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
     return _from_samples(times, "cuda_graph")
 
 
+def _alternating(names: list[str], rounds: int):
+    """``names`` ``rounds`` times over, in reverse order every other round (a, b, b, a, a, b,
+    ...): in the interleaved timings, no name always runs first after the others."""
+    for round_index in range(rounds):
+        yield from (names if round_index % 2 == 0 else names[::-1])
+
+
 def time_graphs_interleaved(fns: dict[str, Callable[[], object]], *,
                             replay_ms: float = GRAPH_REPLAY_MS,
                             samples: int = 2 * GRAPH_SAMPLES) -> dict[str, Timing]:
@@ -280,11 +287,9 @@ def time_graphs_interleaved(fns: dict[str, Callable[[], object]], *,
     for graph, _, stream in graphs.values():
         _replay_ms(graph, stream, 1)  # warm replay
     times: dict[str, list[float]] = {name: [] for name in graphs}
-    order = list(graphs)
-    for round_index in range(samples):
-        for name in (order if round_index % 2 == 0 else order[::-1]):
-            graph, calls, stream = graphs[name]
-            times[name].append(_replay_ms(graph, stream, 1) / calls)
+    for name in _alternating(list(graphs), samples):
+        graph, calls, stream = graphs[name]
+        times[name].append(_replay_ms(graph, stream, 1) / calls)
     del graphs
     torch.cuda.synchronize()
     return {name: _from_samples(values, "cuda_graph_interleaved")
@@ -307,15 +312,13 @@ def time_host_interleaved(fns: dict[str, Callable[[], object]], device: torch.de
     for fn in fns.values():
         fn()  # warm
     times: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
-    for round_index in range(rounds):
-        for name in (order if round_index % 2 == 0 else order[::-1]):
-            fn = fns[name]
-            drain()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) * 1e3 / calls)
+    for name in _alternating(list(fns), rounds):
+        fn = fns[name]
+        drain()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times[name].append((time.perf_counter() - start) * 1e3 / calls)
     drain()
     return {name: _from_samples(values, "host_interleaved") for name, values in times.items()}
 
