@@ -403,6 +403,22 @@ def _pieces(*sizes: int) -> list[int]:
     return [round_up(size, 32) for size in sizes]
 
 
+def _scratch(sizes: tuple, device: torch.device, traced: bool) -> tuple[torch.Tensor, ...]:
+    """int32 tensors of ``sizes``. Eagerly (``traced`` False) views of one allocation (one
+    allocation costs less host time than several). Traced (the op's body, which Inductor
+    compiles), one allocation each: a kernel that writes views of one buffer makes the
+    functionalized graph scatter every write back into the buffer and cut the views out again,
+    copies that Inductor turns into kernels of its own (one of them read past the end of its
+    buffer in the compiled decode chain at T=2048, the three-pass form's scratch), and an op's
+    outputs may not share storage anyway. ``tests.ops_trace --check views`` checks every op
+    body for kernels handed such views."""
+    if traced:
+        return tuple(torch.empty(size, dtype=torch.int32, device=device) for size in sizes)
+    padded = _pieces(*sizes)
+    whole = torch.empty(sum(padded), dtype=torch.int32, device=device)
+    return tuple(piece[:size] for piece, size in zip(torch.split(whole, padded), sizes))
+
+
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
                    capacity, first_expert, num_local_experts, align, launch: PermuteLaunch,
                    traced: bool):
@@ -443,11 +459,11 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
     block_pairs = launch.block_pairs
     num_blocks = cdiv(num_pairs, block_pairs)
     # Scratch: block_counts / block_starts [num_blocks, E_local], block_id_range
-    # [num_blocks, 2].
-    sizes = (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks)
-    padded = _pieces(*sizes)
-    scratch = torch.empty(sum(padded), dtype=torch.int32, device=device)
-    block_counts, block_starts, block_id_range = torch.split(scratch, padded)
+    # [num_blocks, 2]: eagerly views of one allocation; traced, three allocations (see
+    # _scratch).
+    block_counts, block_starts, block_id_range = _scratch(
+        (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks),
+        device, traced)
 
     bins = histogram_bins(num_local_experts)
     fill_blocks = cdiv(capacity, block_pairs)      # capacity >= num_pairs
@@ -475,19 +491,12 @@ def _launch_permute(topk_ids: torch.Tensor, first_expert: int, num_local_experts
                     align: int, launch: PermuteLaunch, traced: bool) -> tuple[torch.Tensor, ...]:
     """The chosen form on checked, contiguous ``topk_ids``: (source_rows, expert_counts,
     expert_offsets, inverse, id_range [2]), one or three launches, no host read. Eagerly
-    (``traced`` False) the five are views of one int32 allocation (one allocation costs less
-    host time than five); for the op (``traced``) five allocations, as an op's outputs may not
-    share storage."""
+    (``traced`` False) the five are views of one int32 allocation; for the op (``traced``)
+    five allocations (:func:`_scratch`)."""
     num_pairs = topk_ids.numel()
     capacity = permutation_capacity(num_pairs, num_local_experts, align)
-    sizes = (capacity, num_local_experts, num_local_experts + 1, num_pairs, 2)
-    if traced:
-        outputs = tuple(torch.empty(size, dtype=torch.int32, device=topk_ids.device)
-                        for size in sizes)
-    else:
-        padded = _pieces(*sizes)
-        results = torch.empty(sum(padded), dtype=torch.int32, device=topk_ids.device)
-        outputs = tuple(piece[:size] for piece, size in zip(torch.split(results, padded), sizes))
+    outputs = _scratch((capacity, num_local_experts, num_local_experts + 1, num_pairs, 2),
+                       topk_ids.device, traced)
     run = (_launch_single if launch.chooses_single(num_pairs, num_local_experts)
            else _launch_three_pass)
     run(topk_ids, *outputs, capacity, first_expert, num_local_experts, align, launch, traced)

@@ -19,6 +19,13 @@ launched or compiled to a cubin), and checks two things:
     must be served by one of the two traces, i.e. a compiled region with a dynamic T compiles
     at most twice (the quantizers' tile rules have two buckets of M) for those T (the H200's
     132 SMs stand in for the SM count).
+``--check views``     the op bodies traced by ``make_fx`` at T=16 and at T=2048 (where the
+    large-T forms run: the three-pass permutation, the three-launch quantize): no kernel is
+    handed a piece cut (split, slice) out of a buffer the body allocates. A kernel writing
+    such a piece makes the functionalized graph scatter the write back into the buffer and cut
+    the pieces out again: copies Inductor runs as kernels of its own (one read past the end of
+    its buffer in the compiled decode chain at T=2048 on an H200, when the three-pass
+    permutation's scratch was one buffer split in three).
 
 Prints one line per kernel variant or op, then ``FAILED: ...`` lines and exits 1 on a failure.
 """
@@ -166,7 +173,8 @@ def guard_cases(tokens: int) -> dict:
         "route_topk": (lambda logits, bias: registered["route_topk"].body(
             logits, k, "deepseek_v3", bias, 8, 4, 2.5, *fields(routing.DEFAULT_ROUTING)),
             (torch.zeros(tokens, experts), torch.zeros(experts))),
-        "local_send_plan": (body("local_send_plan", experts, 1, 256, experts), (ids,)),
+        "local_send_plan": (body("local_send_plan", experts, 1, max(256, tokens), experts),
+                            (ids,)),
         "permute_by_expert": (body("permute_by_expert", experts, 0, experts, 1,
                                    *fields(permute.DEFAULT_PERMUTE)), (ids,)),
         "gather_rows": (lambda table, rows, sf: registered["gather_rows"].body(table, rows, sf, k),
@@ -242,16 +250,75 @@ def check_guards() -> list[str]:
     return failures
 
 
+# Tokens of the views check: a decode size and one where the large-T forms run.
+VIEW_TOKENS = (16, 2048)
+# The ops of make_fx's graph that cut a piece out of a tensor, and the allocations.
+_CUTS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.slice.Tensor",
+         "aten.narrow.default", "aten.as_strided.default", "aten.select.int")
+_ALLOCATIONS = ("aten.empty.memory_format", "aten.empty_strided.default",
+                "aten.zeros.default", "aten.full.default", "aten.empty_like.default")
+
+
+def _cut_from_allocation(node) -> bool:
+    """Whether fx ``node`` is a piece cut (split, slice, ...) out of a tensor that the traced
+    body allocated (through any chain of views)."""
+    import operator
+    cut = False
+    while True:
+        if node.op != "call_function":
+            return False               # an input of the body
+        if node.target is operator.getitem:
+            node = node.args[0]        # one piece of a split
+            continue
+        name = str(node.target)
+        if name in _ALLOCATIONS:
+            return cut
+        if name in _CUTS:
+            cut = True
+        elif not name.startswith("aten.view") and name not in ("aten.reshape.default",
+                                                               "aten._unsafe_view.default"):
+            return False               # computed by an op, not a view
+        node = node.args[0]
+
+
+def check_views() -> list[str]:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def kernel_name(launch) -> str:
+        kernel = kernel_side_table.get_kernel(launch.kwargs["kernel_idx"])
+        return getattr(kernel, "__name__", str(kernel))
+
+    failures: list[str] = []
+    for tokens in VIEW_TOKENS:
+        for name, (function, tensors) in guard_cases(tokens).items():
+            graph = make_fx(function, tracing_mode="fake")(*tensors).graph
+            launches = [n for n in graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+            cut = sorted({f"{kernel_name(launch)}({arg})"
+                          for launch in launches
+                          for arg, value in launch.kwargs["kwargs"].items()
+                          if isinstance(value, torch.fx.Node) and _cut_from_allocation(value)})
+            print(f"{name} T={tokens}: {len(launches)} launch(es), pieces of the body's own "
+                  f"buffers handed to kernels: {cut or 'none'}", flush=True)
+            if not launches:
+                failures.append(f"{name} T={tokens}: no kernel launch in the trace")
+            if cut:
+                failures.append(f"{name} T={tokens}: kernels handed pieces of one buffer the "
+                                f"body allocates ({cut}): allocate each piece on its own")
+    return failures
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", choices=("mutation", "guards"), required=True)
+    parser.add_argument("--check", choices=("mutation", "guards", "views"), required=True)
     parser.add_argument("--every-variant", action="store_true",
                         help="mutation: analyse every flag variant of each kernel, not only "
                              "the first launch of each (op, kernel) (tens of minutes)")
     args = parser.parse_args(argv)
     triton.runtime.driver.set_active(StandInDriver())
-    failures = (check_mutation(args.every_variant) if args.check == "mutation"
-                else check_guards())
+    checks = {"mutation": lambda: check_mutation(args.every_variant), "guards": check_guards,
+              "views": check_views}
+    failures = checks[args.check]()
     for failure in failures:
         print(f"FAILED: {failure}")
     sys.exit(1 if failures else 0)
