@@ -15,10 +15,10 @@ bits; ``kernels.spec``):
 ``torch.ops.moe_a2a.<op>.torch``   the plain-torch oracle (``kernels.reference``), an opaque
                                    ``custom_op`` (it reads values: boolean masks, sorts).
 
-An eager call of a ``.triton`` overload on CPU or CUDA tensors runs its body (wrap_triton off,
-as triton_op's own eager kernel) from the device's backend key, with the autograd key falling
-through (:func:`register`): the cost of a low-level op's dispatch instead of a custom op's
-Python layers.
+An eager call of a ``.triton`` overload on CPU or CUDA tensors runs the op's launch (the body's
+kernels launched directly, without ``wrap_triton``: :class:`RegisteredOp`) from the device's
+backend key, with the autograd key falling through (:func:`register`): the cost of a low-level
+op's dispatch instead of a custom op's Python layers, and none of ``wrap_triton``'s.
 
 Call an overload explicitly: where the two have the same schema (ops without a launch config)
 the packet ``torch.ops.moe_a2a.<op>(...)`` cannot tell them apart. The ``.triton`` overload
@@ -50,7 +50,6 @@ same ValueError; it is registered as side-effecting so that no compiler removes 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -59,13 +58,6 @@ import torch
 from torch.library import Library, custom_op, fallthrough_kernel, triton_op
 
 from kernels.hardware import interpreting
-
-try:  # the switch triton_op's own eager kernel turns wrap_triton off with (torch >= 2.6)
-    from torch._library import triton as _torch_triton
-    _WRAP_STATE = _torch_triton.wrap_triton_enabled
-    _WRAP_DEFAULT = _torch_triton.wrap_triton_enabled_default
-except (ImportError, AttributeError):  # pragma: no cover - wrap_triton then dispatches (slower)
-    _WRAP_STATE = None
 
 NAMESPACE = "moe_a2a"
 TRITON = "triton"
@@ -82,8 +74,11 @@ class RegisteredOp:
     body: the function registered as ``triton`` (its kernels launched through
         ``wrap_triton``): what ``torch.compile`` traces (tests trace it with ``make_fx``).
     launch: the same function without the dispatcher and ``wrap_triton`` (the argument checks,
-        then the kernels launched directly): the same arguments and results; what the public
-        function's eager path runs after its own checks, and the bench's "raw" row.
+        then the kernels launched directly): the same arguments and results, outputs that
+        never share storage as the op's; what an eager call of ``triton`` runs (the kernel at
+        the CPU and CUDA keys), and the bench's "raw" row. Where ``body`` picks a kernel form
+        for Inductor's analysis (the routing's division, the quantize's scale stores), this
+        keeps the faster form of the same bits.
     """
 
     name: str
@@ -127,43 +122,49 @@ def register(name: str, *, triton: Callable, launch: Callable, torch_face: Calla
     else:
         triton_def = triton_op(f"{qualname}.{TRITON}", triton, mutates_args=mutates)
     triton_def.register_fake(fake)  # replaces triton_op's body-as-fake: one fake per op
-    # An eager call of the .triton overload on real tensors runs the body as triton_op's own
-    # eager kernel does (wrap_triton off: the kernels launched directly; the op's outputs,
-    # which never alias) from the device's backend key, and its autograd key falls through:
-    # the custom op's Python autograd wrapper and output aliasing check are skipped, the
-    # dispatcher's cost of a low-level op. The ops have no derivatives (their outputs never
-    # require grad, as on the public functions' eager path). Tracing (fake tensors,
-    # functionalization, proxies) dispatches at the Python key above the backend keys, to the
-    # fake and triton_op's own decomposition, as before; a mutating op's ADInplaceOrView kernel
-    # (version counters) still runs.
-    eager = _unwrapped(triton)
+    # An eager call of the .triton overload on real tensors runs ``launch`` (the kernels
+    # launched directly: the body's results without wrap_triton's wrappers, which cost host
+    # time on every launch; the op's outputs, which never alias) from the device's backend
+    # key, and its autograd key falls through: the custom op's Python autograd wrapper and
+    # output aliasing check are skipped, the dispatcher's cost of a low-level op. The ops have
+    # no derivatives (their outputs never require grad, as on the public functions' eager
+    # path). Tracing (fake tensors, functionalization, proxies) dispatches at the Python key
+    # above the backend keys, to the fake and triton_op's own decomposition of the body. A
+    # mutating op's ADInplaceOrView kernel bumps the version counters of what it writes
+    # (_version_bump).
     for device_key in EAGER_DEVICES:
-        _EAGER_KERNELS.impl(f"{name}.{TRITON}", eager, device_key)
+        _EAGER_KERNELS.impl(f"{name}.{TRITON}", launch, device_key)
         _EAGER_KERNELS.impl(f"{name}.{TRITON}", fallthrough_kernel, f"Autograd{device_key}")
     torch_def = custom_op(f"{qualname}.{TORCH}", torch_face, mutates_args=mutates)
     torch_def.register_fake(fake)
     packet = getattr(getattr(torch.ops, NAMESPACE), name)
+    if mutates:
+        _EAGER_KERNELS.impl(f"{name}.{TRITON}", _version_bump(getattr(packet, TRITON)),
+                            "ADInplaceOrView", with_keyset=True)
     op = RegisteredOp(name=name, triton=getattr(packet, TRITON), torch=getattr(packet, TORCH),
                       body=triton, launch=launch)
     REGISTERED[name] = op
     return op
 
 
-def _unwrapped(body: Callable) -> Callable:
-    """``body`` run with ``wrap_triton`` off, as triton_op runs it eagerly (its
-    ``set_wrap_triton_enabled(False)``, without the context manager's cost): each
-    ``wrap_triton(kernel)`` is then the kernel itself."""
-    @functools.wraps(body)
-    def eager(*args):
-        if _WRAP_STATE is None:
-            return body(*args)
-        previous = getattr(_WRAP_STATE, "value", _WRAP_DEFAULT)
-        _WRAP_STATE.value = False
-        try:
-            return body(*args)
-        finally:
-            _WRAP_STATE.value = previous
-    return eager
+def _version_bump(overload: torch._ops.OpOverload) -> Callable:
+    """The ADInplaceOrView kernel of a mutating ``.triton`` overload: bump the version counter
+    of every argument its schema writes, then run the kernels below that key. The custom op's
+    own kernel does the same after normalizing the arguments against the schema on every call
+    (most of an eager call's host time for ``quantize_nvfp4_out``); the written arguments'
+    positions and names are read from the schema once, here."""
+    arguments = overload._schema.arguments
+    written = tuple((i, a.name) for i, a in enumerate(arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    below = torch._C._after_ADInplaceOrView_keyset
+
+    def bump_versions(keyset, *args, **kwargs):
+        for index, name in written:
+            value = args[index] if index < len(args) else kwargs.get(name)
+            if isinstance(value, torch.Tensor):
+                torch.autograd.graph.increment_version(value)
+        return overload.redispatch(keyset & below, *args, **kwargs)
+    return bump_versions
 
 
 def check_config_parameters(fn: Callable, *config_classes: type,

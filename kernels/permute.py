@@ -25,7 +25,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
-from kernels.sizes import cdiv, next_power_of_2, round_up
+from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
 from kernels.spec.tensors import check_expert_ids
 from kernels.spec.values import read_to_host
@@ -397,26 +397,16 @@ def _place_pairs_kernel(topk_ids_ptr, block_starts_ptr, expert_counts_ptr, exper
     tl.store(inverse_ptr + pairs, tl.where(owned, place, UNUSED_ENTRY), mask=valid)
 
 
-def _pieces(*sizes: int) -> list[int]:
-    """Sizes rounded up to whole 128-byte stretches of int32, so that every view cut from one
-    allocation starts 16-byte aligned (Triton specialises pointers on that)."""
-    return [round_up(size, 32) for size in sizes]
-
-
-def _scratch(sizes: tuple, device: torch.device, traced: bool) -> tuple[torch.Tensor, ...]:
-    """int32 tensors of ``sizes``. Eagerly (``traced`` False) views of one allocation (one
-    allocation costs less host time than several). Traced (the op's body, which Inductor
-    compiles), one allocation each: a kernel that writes views of one buffer makes the
-    functionalized graph scatter every write back into the buffer and cut the views out again,
-    copies that Inductor turns into kernels of its own (one of them read past the end of its
-    buffer in the compiled decode chain at T=2048, the three-pass form's scratch), and an op's
-    outputs may not share storage anyway. ``tests.ops_trace --check views`` checks every op
-    body for kernels handed such views."""
-    if traced:
-        return tuple(torch.empty(size, dtype=torch.int32, device=device) for size in sizes)
-    padded = _pieces(*sizes)
-    whole = torch.empty(sum(padded), dtype=torch.int32, device=device)
-    return tuple(piece[:size] for piece, size in zip(torch.split(whole, padded), sizes))
+def _int32_buffers(sizes: tuple, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One int32 allocation per size. Never views of one buffer: an op's outputs may not share
+    storage, and a traced body (which Inductor compiles) must not hand its kernels such views.
+    A kernel that writes views of one buffer makes the functionalized graph scatter every
+    write back into the buffer and cut the views out again, copies that Inductor turns into
+    kernels of its own (one of them read past the end of its buffer in the compiled decode
+    chain at T=2048, when the three-pass form's scratch was one buffer split in three).
+    ``tests.ops_trace --check views`` checks every op body for such views. (Eagerly, separate
+    allocations also cost the host less than one allocation cut into pieces.)"""
+    return tuple(torch.empty(size, dtype=torch.int32, device=device) for size in sizes)
 
 
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
@@ -459,11 +449,10 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
     block_pairs = launch.block_pairs
     num_blocks = cdiv(num_pairs, block_pairs)
     # Scratch: block_counts / block_starts [num_blocks, E_local], block_id_range
-    # [num_blocks, 2]: eagerly views of one allocation; traced, three allocations (see
-    # _scratch).
-    block_counts, block_starts, block_id_range = _scratch(
+    # [num_blocks, 2].
+    block_counts, block_starts, block_id_range = _int32_buffers(
         (num_blocks * num_local_experts, num_blocks * num_local_experts, 2 * num_blocks),
-        device, traced)
+        device)
 
     bins = histogram_bins(num_local_experts)
     fill_blocks = cdiv(capacity, block_pairs)      # capacity >= num_pairs
@@ -490,13 +479,12 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
 def _launch_permute(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,
                     align: int, launch: PermuteLaunch, traced: bool) -> tuple[torch.Tensor, ...]:
     """The chosen form on checked, contiguous ``topk_ids``: (source_rows, expert_counts,
-    expert_offsets, inverse, id_range [2]), one or three launches, no host read. Eagerly
-    (``traced`` False) the five are views of one int32 allocation; for the op (``traced``)
-    five allocations (:func:`_scratch`)."""
+    expert_offsets, inverse, id_range [2]), five int32 allocations; one or three launches, no
+    host read."""
     num_pairs = topk_ids.numel()
     capacity = permutation_capacity(num_pairs, num_local_experts, align)
-    outputs = _scratch((capacity, num_local_experts, num_local_experts + 1, num_pairs, 2),
-                       topk_ids.device, traced)
+    outputs = _int32_buffers((capacity, num_local_experts, num_local_experts + 1, num_pairs, 2),
+                             topk_ids.device)
     run = (_launch_single if launch.chooses_single(num_pairs, num_local_experts)
            else _launch_three_pass)
     run(topk_ids, *outputs, capacity, first_expert, num_local_experts, align, launch, traced)
@@ -592,7 +580,7 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     Returns:
         :class:`Permutation`: ``source_rows [P]``, ``expert_counts [E_local]``,
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, int32 on ``topk_ids``' device,
-        ``P = T*k + E_local*(align - 1)``. Eagerly the four are views of one allocation.
+        ``P = T*k + E_local*(align - 1)``.
         Runs the registered op ``moe_a2a::permute_by_expert.triton`` (directly in eager mode:
         ``kernels.library``).
     """

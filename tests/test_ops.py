@@ -96,6 +96,25 @@ def test_triton_overload_dispatches_eagerly_below_autograd(device):
     assert torch.equal(out, op.launch(expert_out, inverse, weights))
 
 
+def test_out_form_bumps_the_versions_of_what_it_writes(device):
+    """The mutating op's ADInplaceOrView kernel (kernels.library._version_bump): the version
+    counters of ``out`` and ``out_scales`` move on every call, given by position or by name,
+    and the input's does not; the buffers hold the public function's bits."""
+    op = ops.registered_ops()["quantize_nvfp4_out"]
+    case = make_case("quantize_nvfp4_out", device)
+    args = list(case.triton)
+    x, out, out_scales = args[0], args[5], args[6]
+    before = (x._version, out._version, out_scales._version)
+    op.triton(*args)
+    assert (x._version, out._version, out_scales._version) == (
+        before[0], before[1] + 1, before[2] + 1)
+    schema_names = [a.name for a in op.triton._schema.arguments]
+    named = dict(zip(schema_names[5:], args[5:]))
+    op.triton(*args[:5], **named)
+    assert (out._version, out_scales._version) == (before[1] + 2, before[2] + 2)
+    assert_same_bits((out, out_scales), case.public(), "quantize_nvfp4_out through the op")
+
+
 @pytest.mark.parametrize("name", ops.OP_NAMES)
 def test_overloads_give_the_public_and_oracle_bits(name, device):
     op = ops.registered_ops()[name]
