@@ -163,7 +163,9 @@ def _version_bump(overload: torch._ops.OpOverload) -> Callable:
             value = args[index] if index < len(args) else kwargs.get(name)
             if isinstance(value, torch.Tensor):
                 torch.autograd.graph.increment_version(value)
-        return overload.redispatch(keyset & below, *args, **kwargs)
+        # (below the key, as torch's own kernel of earlier versions redispatched)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return overload.redispatch(keyset & below, *args, **kwargs)
     return bump_versions
 
 
