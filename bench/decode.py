@@ -218,9 +218,8 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         streams[2]:  (after route) local send plan -> (after permute) gather    (bf16)
 
     The steps are enqueued in the order they can start, alternating between the streams
-    (route, global scale + quantize, permute, plan, unpermute, gather): in the torch.profiler
-    timelines of the bench's H200 runs, a graph's independent branches started in the order
-    they were captured, so a branch captured behind a dependent kernel waited for it. The
+    (route, global scale + quantize, permute, plan, unpermute, gather); the graph need not run
+    its independent branches in that order (docs/design.md, "The decode step's launches"). The
     critical path and the plan (one program) run at the highest stream priority. Every
     stream starts after everything queued on the current stream (a call never overlaps the
     previous call's uses of its buffers) and the current stream waits for all three at the
