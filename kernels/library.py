@@ -139,12 +139,29 @@ def register(name: str, *, triton: Callable, launch: Callable, torch_face: Calla
     torch_def.register_fake(fake)
     packet = getattr(getattr(torch.ops, NAMESPACE), name)
     if mutates:
-        _EAGER_KERNELS.impl(f"{name}.{TRITON}", _version_bump(getattr(packet, TRITON)),
-                            "ADInplaceOrView", with_keyset=True)
+        _replace_kernel(f"{name}.{TRITON}", _version_bump(getattr(packet, TRITON)),
+                        "ADInplaceOrView")
     op = RegisteredOp(name=name, triton=getattr(packet, TRITON), torch=getattr(packet, TORCH),
                       body=triton, launch=launch)
     REGISTERED[name] = op
     return op
+
+
+def _replace_kernel(op_name: str, kernel: Callable, dispatch_key: str) -> None:
+    """Register ``kernel`` (taking the dispatch keyset first) for ``op_name`` at
+    ``dispatch_key``, where the custom op registered one of its own (a mutating custom op's
+    ADInplaceOrView kernel). torch 2.13's ``Library.impl`` replaces it when given
+    ``allow_override=True`` (its default), which is passed wherever ``Library.impl`` takes it.
+    The GPU host's torch 2.11 refused the key here at import (one that
+    ``torch.library._impls`` records as registered from Python before): a ``Library.impl``
+    without that argument gets the key taken out of that record first; the dispatcher itself
+    lets a later registration replace the kernel."""
+    if "allow_override" in inspect.signature(Library.impl).parameters:
+        _EAGER_KERNELS.impl(op_name, kernel, dispatch_key, with_keyset=True,
+                            allow_override=True)
+    else:
+        torch.library._impls.discard(f"{NAMESPACE}/{op_name}/{dispatch_key}")
+        _EAGER_KERNELS.impl(op_name, kernel, dispatch_key, with_keyset=True)
 
 
 def _version_bump(overload: torch._ops.OpOverload) -> Callable:
