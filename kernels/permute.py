@@ -67,13 +67,18 @@ class PermuteLaunch:
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
-        single_chunk: ids read per step (at least 32 per warp, at most the form's most pairs
-            rounded up to a power of two): every program reads all T*k ids in steps of this
-            many, so the tile does not depend on T (one compiled kernel for every batch); the
-            slices are sized for the form's most pairs. The default, 1024, reads them in
-            one step up to 1024 pairs (T = 128 at k = 8) and in two beyond: in the tune run
+        single_chunk: the most ids read per step: every program reads all T*k ids in steps
+            of ``min(single_chunk, T*k rounded up to a power of two)`` (at least 32 per warp,
+            at most the form's most pairs rounded up), so a batch of fewer pairs reads them in
+            one narrower step, and the tile depends on T only through that power of two (one
+            compiled kernel per power of two up to single_chunk; a symbolic T, traced with
+            dynamic shapes, reads single_chunk at a time: one kernel for every T). The slices
+            are sized for the form's most pairs. The default, 1024, reads up to 1024 pairs
+            (T = 128 at k = 8) in one step and more in two: in the tune run
             (tune-nvidia-h200-20261201T152121.json, E=256 k=8) it was faster than one step of
-            2048 at every T up to 128, the decode batches, and slower at T = 256.
+            2048 at every T up to 128, the decode batches, and slower at T = 256; there the
+            narrower steps (256 at T <= 16, 512 at T = 64) were faster still, most with
+            align=128.
     Three-pass form:
         block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
             pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
@@ -138,8 +143,8 @@ def histogram_bins(num_local_experts: int) -> int:
 # expert-major order are the owned q with key(q) < key(p), so
 #     place(p) = #{owned q : key(q) < key(p)} + padding(e_p),
 # one compare of the slice with each chunk of ids ([SLICE, CHUNK]), summed over the chunks.
-# CHUNK and SLICE are static (from the launch config and the form's largest T*k), so one
-# compiled kernel serves every T, where padding(e) = the alignment
+# SLICE is static (from the launch config and the form's largest T*k) and CHUNK depends on T
+# only through a power of two (PermuteLaunch.single_chunk). padding(e) is the alignment
 # rows of the experts before e (0 with align = 1; else each such program also counts and scans
 # the ids). Every program then writes UNUSED into rows that are no pair's place, so that no two
 # programs write one entry: the padding [start(e) + count(e), start(e + 1)) of experts
@@ -168,7 +173,7 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
     my_owned = mine_valid & (my_local >= 0) & (my_local < num_local_experts)
     my_keys = my_local * num_pairs + mine
 
-    # All ids, CHUNK at a time (the tile is static: one compiled kernel for every T): program 0
+    # All ids, CHUNK at a time (a tile of a power of two, not of T): program 0
     # counts them (and every program, when the segments are padded) and takes their range;
     # program g >= 1 counts the owned pairs before each of its own in expert-major order.
     bins = tl.arange(0, BINS)
@@ -409,6 +414,23 @@ def _int32_buffers(sizes: tuple, device: torch.device) -> tuple[torch.Tensor, ..
     return tuple(torch.empty(size, dtype=torch.int32, device=device) for size in sizes)
 
 
+def single_tile(num_pairs, num_local_experts: int, launch: PermuteLaunch) -> tuple[int, int]:
+    """(CHUNK, SLICE) of the one-launch form for ``num_pairs`` = T*k (an int, or a symbolic
+    size while traced with dynamic shapes). The slice from the most pairs the rule gives the
+    form (static, not T*k). The chunk: no wider than those pairs nor than T*k rounded up to a
+    power of two (a compiled kernel per power of two below ``launch.single_chunk``), and at
+    least one id per thread (no replicated layout under the histogram). A symbolic T*k keeps
+    the static chunk: one compiled kernel for every T."""
+    most = launch.single_limit(num_local_experts)
+    widest = min(launch.single_chunk, next_power_of_2(most))
+    if not isinstance(num_pairs, torch.SymInt):
+        widest = min(widest, next_power_of_2(max(num_pairs, 1)))
+    chunk = max(widest, 32 * launch.single_warps)
+    slice_pairs = max(8, min(next_power_of_2(cdiv(most, launch.single_programs)),
+                             SINGLE_COMPARE_TILE // chunk))
+    return chunk, slice_pairs
+
+
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
                    capacity, first_expert, num_local_experts, align, launch: PermuteLaunch,
                    traced: bool):
@@ -418,13 +440,7 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
         raise ValueError(f"T*k={num_pairs} pairs over E_local={num_local_experts} experts are too "
                          f"many for the one-launch form's int32 keys; use "
                          f"PermuteLaunch(form='three_pass') or the default rule")
-    # The slice and the chunk from the most pairs the rule gives this form (static, not T*k):
-    # the chunk no wider than those pairs, and at least one id per thread (no replicated
-    # layout under the histogram).
-    most = launch.single_limit(num_local_experts)
-    chunk = max(min(launch.single_chunk, next_power_of_2(most)), 32 * warps)
-    slice_pairs = max(8, min(next_power_of_2(cdiv(most, launch.single_programs)),
-                             SINGLE_COMPARE_TILE // chunk))
+    chunk, slice_pairs = single_tile(num_pairs, num_local_experts, launch)
     programs = torch.sym_max(1 + cdiv(num_pairs, slice_pairs),
                              cdiv(capacity, launch.single_fill))
     # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no

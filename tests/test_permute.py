@@ -108,6 +108,30 @@ def test_rule_branch_points():
         triton_permute.PermuteLaunch(form="two_pass").chooses_single(8, 8)
 
 
+def test_single_form_reads_the_ids_in_steps_of_a_power_of_two():
+    """The one-launch form's step over the ids: T*k rounded up to a power of two, at least one
+    id per thread (128 at 4 warps), at most single_chunk (two steps past it); the slice does not
+    change with it."""
+    rule = triton_permute.DEFAULT_PERMUTE
+    chunks = {pairs: triton_permute.single_tile(pairs, 256, rule) for pairs in
+              (0, 1, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048)}
+    assert {pairs: chunk for pairs, (chunk, _) in chunks.items()} == {
+        0: 128, 1: 128, 128: 128, 129: 256, 256: 256, 257: 512, 512: 512, 513: 1024,
+        1024: 1024, 1025: 1024, 2048: 1024}
+    assert {slice_pairs for _, slice_pairs in chunks.values()} == {16}
+    wide = triton_permute.PermuteLaunch(single_chunk=2048, single_warps=16)
+    assert triton_permute.single_tile(8, 256, wide)[0] == 512
+    assert triton_permute.single_tile(2048, 256, wide)[0] == 2048
+
+
+@pytest.mark.parametrize("num_pairs", [128, 129, 256, 257, 512, 513, 1024, 1025, 2048])
+def test_single_form_matches_oracle_on_both_sides_of_each_step(device, seed, num_pairs):
+    """Exact equality at T*k on both sides of every step width of the one-launch form (k=1, so
+    T = T*k), aligned segments and unowned ids included."""
+    topk_ids = random_ids(num_pairs, 1, 60, device)
+    check_permute(topk_ids, 60, launch=SINGLE, first_expert=10, num_local=40, align=16)
+
+
 # Knobs the sweep (python -m bench.tune) may set, at values that exercise the loops: slices
 # of several pairs per program, several tail blocks and expert tiles per program, several
 # scan steps and expert chunks, both ranks of pass 3.
