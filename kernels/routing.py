@@ -116,6 +116,7 @@ WEIGHTS_LOAD_EACH = 2
 # How the sigmoid's IEEE division is done on a GPU (the ``RECIPROCAL`` constexpr).
 RECIP_DIV_RN = 0     # div.rn: a check and a branch per value
 RECIP_FMA = 1        # its fast path written out, branch-free; div.rn only for subnormal 1/d
+RECIP_FMA_TILE = 2   # the same, with one check and branch for the whole tile (traced launches)
 
 # How DeepSeek-V3 finds each group's two best keys (the ``GROUP_TOP2`` constexpr).
 TOP2_COUNT = 0       # the max; then the copies of it and the max below it (two reductions)
@@ -153,9 +154,10 @@ class RoutingLaunch:
         round waits for; ``WEIGHTS_LOAD_EACH``: one load a round, issued as the round ends).
     reciprocal: the sigmoid's IEEE division on a GPU (``RECIP_DIV_RN``: div.rn, a branch per
         value; ``RECIP_FMA``: its fast path written out, div.rn only where a thread's
-        denominators reach ``FAST_RECIPROCAL_LIMIT``; the same bits either way). A traced
-        launch (the registered op under torch.compile) takes ``RECIP_DIV_RN``: Inductor cannot
-        analyse the written-out form's ``tl.map_elementwise``.
+        denominators reach ``FAST_RECIPROCAL_LIMIT``; ``RECIP_FMA_TILE``: the same, div.rn for
+        the whole tile where any of its denominators does; the same bits every way). A traced
+        launch (the registered op under torch.compile) takes ``RECIP_FMA_TILE`` in place of
+        ``RECIP_FMA``: Inductor cannot analyse the latter's ``tl.map_elementwise``.
     group_top2: how DeepSeek-V3 finds each group's two best keys (``TOP2_COUNT``: a max, then
         the copies of it and the max below it; ``TOP2_PAIRS``: one reduction of pairs).
     """
@@ -274,12 +276,22 @@ def _reciprocal(d, RECIPROCAL: tl.constexpr, PACK: tl.constexpr):
     quotient's correction: the instructions, and so the bits, of div.rn wherever its range
     check passes), for all of a thread's values without a branch, and div.rn itself where a
     ``d`` exceeds ``FAST_RECIPROCAL_LIMIT`` (``_div_rn_if_large*``). ``PACK``: a thread's
-    values per such check (8, 4 or 1: ``_values_per_check``; 0: none, the caller checks)."""
-    if RECIPROCAL == 1:  # RECIP_FMA
+    values per such check (8, 4 or 1: ``_values_per_check``; 0: none, the caller checks).
+    ``RECIP_FMA_TILE``: the written-out fast path, and div.rn for the whole tile where any
+    ``d`` of it exceeds the limit (one reduction and one uniform branch): the launches that
+    Inductor compiles take it, since its analysis of which arguments a kernel writes cannot
+    read tl.map_elementwise but reads an ``if``."""
+    if RECIPROCAL == 1 or RECIPROCAL == 2:  # RECIP_FMA, RECIP_FMA_TILE
         y = _rcp_approx(d)
         y = tl.fma(y, tl.fma(-d, y, 1.0), y)
         q = tl.fma(y, tl.fma(-d, y, 1.0), y)
-        if PACK == 8:
+        if RECIPROCAL == 2:
+            # (a count, not a max: a NaN d compares false and hides no other value)
+            large = tl.sum(tl.reshape(d > FAST_RECIPROCAL_LIMIT, [d.numel]).to(tl.int32),
+                           axis=0)
+            if large > 0:
+                q = tl.math.div_rn(tl.zeros_like(d) + 1.0, d)
+        elif PACK == 8:
             q = tl.map_elementwise(_div_rn_if_large8, d, q, pack=8)[0]
         elif PACK == 4:
             q = tl.map_elementwise(_div_rn_if_large4, d, q, pack=4)[0]
@@ -787,11 +799,13 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
                                 or scan_columns > 512):
         keys = KEYS_SPLIT32
     kernel = wrap_triton(_route_topk_kernel) if traced else _route_topk_kernel
-    # Traced (Inductor compiles the kernel): div.rn instead of its written-out fast path, the
-    # same bits. Inductor's analysis of which arguments a user kernel writes cannot read
-    # tl.map_elementwise (the written-out form's rare-case branch); it would then take every
-    # argument as written and copy the inputs around the kernel.
-    reciprocal = RECIP_DIV_RN if traced else launch.reciprocal
+    # Traced (Inductor compiles the kernel): the written-out fast path with one check per tile
+    # instead of tl.map_elementwise's per thread, the same bits. Inductor's analysis of which
+    # arguments a user kernel writes cannot read tl.map_elementwise (RECIP_FMA's rare-case
+    # branch); it would then take every argument as written and copy the inputs around the
+    # kernel.
+    reciprocal = (RECIP_FMA_TILE if traced and launch.reciprocal == RECIP_FMA
+                  else launch.reciprocal)
     kernel[grid](
         logits, bias, ids, weights,
         num_tokens, logits.stride(0), logits.stride(1), float(routed_scaling),

@@ -544,13 +544,15 @@ def sigmoid_sweep(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reciprocal", [routing.RECIP_FMA, routing.RECIP_FMA_TILE])
 @pytest.mark.parametrize("weights_from", [routing.WEIGHTS_RELOAD, routing.WEIGHTS_LOAD_EACH])
-def test_branch_free_sigmoid_is_the_oracles_bit_for_bit(device, weights_from):
+def test_branch_free_sigmoid_is_the_oracles_bit_for_bit(device, weights_from, reciprocal):
     """RECIP_FMA's sigmoid (MUFU.RCP and the division's fast path written out, div.rn only for a
-    subnormal 1 / d) against the oracle's 1 / (1 + exp(-x)) on the same GPU, bit for bit: the
-    weights of sigmoid_topk with k = E are the sigmoids of the whole row."""
+    subnormal 1 / d, per thread or, RECIP_FMA_TILE, per tile) against the oracle's
+    1 / (1 + exp(-x)) on the same GPU, bit for bit: the weights of sigmoid_topk with k = E are
+    the sigmoids of the whole row."""
     logits = sigmoid_sweep(device)
-    launch = routing.RoutingLaunch(reciprocal=routing.RECIP_FMA, keys=routing.KEYS_QUEUES,
+    launch = routing.RoutingLaunch(reciprocal=reciprocal, keys=routing.KEYS_QUEUES,
                                    weights_from=weights_from)
     ids, weights = route_topk_triton(logits, 32, "sigmoid_topk", launch=launch)
     want_ids, want_weights = reference.route_topk(logits, 32, "sigmoid_topk")
@@ -563,7 +565,8 @@ def test_branch_free_sigmoid_is_the_oracles_bit_for_bit(device, weights_from):
                                     routing.RoutingLaunch(reciprocal=routing.RECIP_FMA,
                                                           num_warps=2),
                                     routing.RoutingLaunch(**FAST),
-                                    routing.RoutingLaunch(**FAST, compact=routing.COMPACT_RELOAD)],
+                                    routing.RoutingLaunch(**FAST, compact=routing.COMPACT_RELOAD),
+                                    routing.RoutingLaunch(reciprocal=routing.RECIP_FMA_TILE)],
                          ids=launch_id)
 def test_branch_free_sigmoid_ranks_tiny_scores_as_the_oracle(device, launch):
     """DeepSeek-V3 rows with no bias whose scores are tiny sigmoids: logits in [-90, -85]
