@@ -48,7 +48,9 @@ device activities (kernels, copies, memsets) one call of the chain makes, counte
 torch.profiler on a GPU. At the token counts where its target judges it
 (:data:`PAIRED_TOKENS`), the ``triton_compiled_graph`` row also records ``paired_us``: its
 graph and the ``triton`` row's timed again in alternation (:func:`paired_times`), which the
-target reads.
+target reads. A row timed by graph replay also records ``one_graph_us`` (untimed by the
+targets): the chain captured as a graph of one call, replayed back to back
+(:func:`one_graph_time`), where the row's time is from one graph of many calls.
 
 The library is imported inside the functions (bench/stages.py says why).
 """
@@ -489,6 +491,17 @@ def paired_times(chain: DecodeChain, backend: str, inputs: dict, shape: dict) ->
     return {name: round(timing.median_us, 3) for name, timing in times.items()}
 
 
+def one_graph_time(chain: DecodeChain) -> float:
+    """The median us per call of ``chain`` captured as a CUDA graph of one call and replayed
+    back to back (``bench.timing.time_replays``): how an engine replays one decode step's graph.
+    The row's own time comes from one graph of many calls (``bench.timing.time_graph``), which
+    joins every call's streams into one long graph; the two differ most for the overlapped
+    chain."""
+    from bench.timing import time_replays
+    with torch.cuda.device(chain.x.device):
+        return round(time_replays(graph_replayer(chain)).median_us, 2)
+
+
 def count_launches(fn: Callable[[], Any], device: torch.device,
                    calls: int = LAUNCH_COUNT_CALLS) -> Optional[int]:
     """Device activities (kernels, copies, memsets) per call of ``fn``: torch.profiler over
@@ -568,6 +581,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
 
         def facts() -> dict:
             found = {"launches": count_launches(path.run, device)}
+            if graphed and device.type == "cuda":
+                found["one_graph_us"] = one_graph_time(holder["chain"])
             if paired and device.type == "cuda" and shape["tokens"] in PAIRED_TOKENS:
                 found["paired_us"] = paired_times(holder["chain"], backend, inputs, shape)
             return found

@@ -8,6 +8,8 @@ Three clocks, one result type (:class:`Timing`, microseconds):
   capture is ended and torch's CUDA generator repaired, never left half-captured), or
   :func:`time_graph_flushed` (the same with an L2 flush before each call, the flush's own time
   subtracted); all give the median and the 20th / 80th percentiles.
+  :func:`time_replays` times the replays of a graph of one call back to back (every call a
+  graph launch of its own, as an engine replays one step's graph).
   :func:`time_graphs_interleaved` times several calls by graph replay in alternation, for rows
   whose ratio is judged (their medians from the same stretch of time), and
   :func:`time_host_interleaved` the host's time per call of several functions the same way.
@@ -50,6 +52,8 @@ FLUSH_BYTES = 256 << 20
 # calls of a few microseconds: hundreds per replay, capped at MAX_CALLS_PER_GRAPH), sized from
 # GRAPH_ESTIMATE_REPLAYS replays of a one-call graph; GRAPH_SAMPLES replays give the quantiles.
 GRAPH_REPLAY_MS, GRAPH_SAMPLES, GRAPH_ESTIMATE_REPLAYS, MAX_CALLS_PER_GRAPH = 1.0, 20, 3, 500
+# Replays of a one-call graph per sample of time_replays, after ONE_GRAPH_WARM untimed ones.
+ONE_GRAPH_CALLS, ONE_GRAPH_WARM = 100, 20
 # Host time per call (time_host_interleaved): rounds of this many back-to-back calls per function.
 HOST_CALLS, HOST_ROUNDS = 50, 20
 # Calls of a collective per measurement (fixed so that every rank issues the same sequence).
@@ -265,6 +269,28 @@ def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
     del many
     torch.cuda.synchronize()
     return _from_samples(times, "cuda_graph")
+
+
+def time_replays(replay: Callable[[], object], *, calls: int = ONE_GRAPH_CALLS,
+                 samples: int = GRAPH_SAMPLES) -> Timing:
+    """Time ``replay`` (the replay of one CUDA graph of one call, captured by the caller) back
+    to back on the current stream: a sample is ``calls`` replays between CUDA events, / calls.
+    Unlike :func:`time_graph`, whose one graph holds many calls, every call is a graph launch
+    of its own, as a serving engine replays the graph of one step: the gaps between graph
+    launches count, and a call's streams are not joined into one long graph."""
+    stream = torch.cuda.current_stream()
+    for _ in range(ONE_GRAPH_WARM):
+        replay()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(calls):
+            replay()
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return _from_samples(times, "cuda_graph_one_call")
 
 
 def _alternating(names: list[str], rounds: int):

@@ -412,3 +412,7 @@ def test_gpu_decode_rows(tmp_path):
         assert graphed["ok"] is True and graphed["timing"] == "cuda_graph", graphed
         assert "10 CUDA-graph replays checked with fresh routing" in graphed["note"], graphed
         assert graphed["target_pass"] is not None, graphed
+        for row in (triton, overlapped, graphed, routing):  # a graph of one call, replayed
+            assert isinstance(row["one_graph_us"], float) and row["one_graph_us"] > 0, row
+            assert f"one_graph_us: {row['one_graph_us']}" in row["note"], row
+        assert "one_graph_us" not in compiled, compiled
