@@ -17,6 +17,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import socket  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -72,9 +73,14 @@ def layer_step(rank: int, world_size: int, port: int) -> None:
     expected = x * (weights * expert_scales(ids)).sum(dim=1, keepdim=True)
     torch.testing.assert_close(out, expected, **FLOAT_TOLERANCES[torch.float32])
     sent = plan.send_rank_count_cumsum.tolist()
-    print(f"rank {rank}: {TOKENS} tokens, sent {sent[0]} to rank 0 and {sent[1] - sent[0]} to "
-          f"rank 1, received {int(plan.total_recv)} rows; the combined output matches the "
-          f"plain computation (max abs error {(out - expected).abs().max():.2e})", flush=True)
+    # One write of the whole line with its newline: the two ranks share stdout, and print()
+    # writes the text and the newline separately (unbuffered under .ci/run), so the ranks'
+    # lines could run together.
+    sys.stdout.write(f"rank {rank}: {TOKENS} tokens, sent {sent[0]} to rank 0 and "
+                     f"{sent[1] - sent[0]} to rank 1, received {int(plan.total_recv)} rows; the "
+                     f"combined output matches the plain computation (max abs error "
+                     f"{(out - expected).abs().max():.2e})\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
