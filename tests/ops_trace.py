@@ -65,7 +65,9 @@ def _storage(t: torch.Tensor) -> int:
 
 class OpInputs(TorchDispatchMode):
     """Records, while a ``moe_a2a`` op runs, the storages of its inputs and which of them the
-    op declares mutable."""
+    op declares mutable. A ``.triton`` overload runs its traced body (``RegisteredOp.body``,
+    the kernels launched through ``wrap_triton``, what Inductor compiles), not the eager
+    launch its backend key holds: the launches analysed are the ones a compiled graph makes."""
 
     def __init__(self):
         super().__init__()
@@ -83,7 +85,12 @@ class OpInputs(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and t.numel():
                     storages[_storage(t)] = storages.get(_storage(t), False) or mutable
         self.stack.append((str(func), storages))
+        from kernels import library
+        name = func._schema.name.split("::")[-1]
+        traced = (func._overloadname == library.TRITON and name in library.REGISTERED)
         try:
+            if traced:
+                return library.REGISTERED[name].body(*args, **kwargs)
             return func(*args, **kwargs)
         finally:
             self.stack.pop()
