@@ -271,25 +271,16 @@ def time_graph(fn: Callable[[], object], *, replay_ms: float = GRAPH_REPLAY_MS,
     return _from_samples(times, "cuda_graph")
 
 
-def time_replays(replay: Callable[[], object], *, calls: int = ONE_GRAPH_CALLS,
+def time_replays(cuda_graph: "torch.cuda.CUDAGraph", *, calls: int = ONE_GRAPH_CALLS,
                  samples: int = GRAPH_SAMPLES) -> Timing:
-    """Time ``replay`` (the replay of one CUDA graph of one call, captured by the caller) back
-    to back on the current stream: a sample is ``calls`` replays between CUDA events, / calls.
-    Unlike :func:`time_graph`, whose one graph holds many calls, every call is a graph launch
-    of its own, as a serving engine replays the graph of one step: the gaps between graph
-    launches count, and a call's streams are not joined into one long graph."""
+    """Time the replays of ``cuda_graph`` (a graph of one call, captured by the caller) back to
+    back on the current stream: a sample is :func:`_replay_ms` of ``calls`` replays. Unlike
+    :func:`time_graph`, whose one graph holds many calls, every call is a graph launch of its
+    own, as a serving engine replays the graph of one step: the gaps between graph launches
+    count, and a call's streams are not joined into one long graph."""
     stream = torch.cuda.current_stream()
-    for _ in range(ONE_GRAPH_WARM):
-        replay()
-    times = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        for _ in range(calls):
-            replay()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
+    _replay_ms(cuda_graph, stream, ONE_GRAPH_WARM)  # warm replays
+    times = [_replay_ms(cuda_graph, stream, calls) for _ in range(samples)]
     return _from_samples(times, "cuda_graph_one_call")
 
 
