@@ -19,7 +19,7 @@ from torch.library import wrap_triton
 
 from kernels import library, reference
 from kernels.casting import round_to
-from kernels.hardware import can_run_ptx
+from kernels.hardware import can_run_ptx, grid_dependency, grid_dependency_prologue
 from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.permute import (check_gather_inputs, check_gather_values,
                                   check_inverse_values, check_unpermute_inputs,
@@ -38,13 +38,14 @@ UNUSED_ENTRY = tl.constexpr(UNUSED)
 def _gather_rows_kernel(table_ptr, out_ptr, table2_ptr, out2_ptr, rows_ptr, num_out_rows,
                         num_sources, top_k, row_words, row_words2, col_blocks,
                         TWO_TABLES: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                        BLOCK_WORDS: tl.constexpr):
+                        BLOCK_WORDS: tl.constexpr, PDL: tl.constexpr):
     """``out[p, :] = table[rows[p] // top_k, :]`` for a [BLOCK_ROWS, BLOCK_WORDS] tile; a row
     whose source is UNUSED (or outside [0, num_sources)) is written as zeros. TWO_TABLES:
     column blocks ``>= col_blocks`` gather a second table of the same rows and word type
     (``table2`` into ``out2``, ``row_words2`` words a row), the NVFP4 codes and their scales
     in one launch; else ``table2`` / ``out2`` are never touched (a constexpr branch: Inductor's
     analysis of the stores then does not count ``out2``, which may be ``out`` itself)."""
+    grid_dependency_prologue(PDL)
     col_block = tl.program_id(1)
     table, out, width = table_ptr, out_ptr, row_words
     if TWO_TABLES:
@@ -115,7 +116,7 @@ def _launch_gather(tables: list[torch.Tensor], rows: torch.Tensor, top_k: int,
     kernel[grid](table_words[0], out_words[0], table_words[second], out_words[second], rows,
                  rows.numel(), tables[0].shape[0] * top_k, top_k, widths[0], widths[second],
                  col_blocks[0], TWO_TABLES=second == 1, BLOCK_ROWS=block_rows,
-                 BLOCK_WORDS=block_words, num_warps=4)
+                 BLOCK_WORDS=block_words, num_warps=4, **grid_dependency(rows.device, traced))
     return outs
 
 
@@ -215,7 +216,8 @@ def _add_rn(a, b):
 def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_ptr, num_tokens,
                                  num_rows, hidden, weight_stride_token, weight_stride_slot,
                                  TOP_K: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                                 BLOCK_COLS: tl.constexpr, RN_ASM: tl.constexpr):
+                                 BLOCK_COLS: tl.constexpr, RN_ASM: tl.constexpr,
+                                 PDL: tl.constexpr):
     """``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j in
     fixed order 0..k-1, float32 accumulation: each slot is one rounded multiply and one
     rounded add, exactly as the oracle computes. RN_ASM (a GPU): the multiply and the add are
@@ -223,6 +225,7 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
     also where the launch option ``enable_fp_fusion=False`` is not passed on (Inductor compiles
     a registered op's kernels with its own launch options); else (the interpreter) plain
     ``*`` and ``+``, launched with fp fusion off."""
+    grid_dependency_prologue(PDL)
     tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     token_ok = tokens < num_tokens
@@ -272,7 +275,8 @@ def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
     kernel[grid](expert_out, inverse.contiguous(), topk_weights, out, num_tokens,
                  expert_out.shape[0], hidden, topk_weights.stride(0), topk_weights.stride(1),
                  TOP_K=top_k, BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols,
-                 RN_ASM=can_run_ptx(expert_out.device), num_warps=4, enable_fp_fusion=False)
+                 RN_ASM=can_run_ptx(expert_out.device), num_warps=4, enable_fp_fusion=False,
+                 **grid_dependency(expert_out.device, traced))
     return out
 
 

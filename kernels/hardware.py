@@ -1,5 +1,6 @@
 """What the launchers ask of the machine: whether Triton interprets, whether inline PTX can run,
-how many SMs a device has. One place, so that every launcher answers the same way.
+how many SMs a device has, whether kernels can be launched with PDL. One place, so that every
+launcher answers the same way.
 """
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Stands in for the SM count where there is none to read (the interpreter, a CPU tensor).
 INTERPRETER_SMS = 4
@@ -37,3 +41,56 @@ def num_sms(device: torch.device) -> int:
         return INTERPRETER_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_sms(index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Programmatic dependent launch (PDL)
+# ---------------------------------------------------------------------------------------------
+# A kernel launched with PDL may start while the kernel before it on the stream is still
+# running: once every program of that kernel has signalled (``griddepcontrol.launch_dependents``)
+# the next one is launched and its programs are placed on the SMs, and each of them waits
+# (``griddepcontrol.wait``) until the earlier kernel has finished and its writes are visible.
+# What it saves is the next kernel's launch and placement, about a microsecond between two
+# small kernels, which the decode step's chain of small launches pays at every step; a CUDA
+# graph captured from the stream keeps the edges. Every kernel of kernels/ starts with
+# :func:`grid_dependency_prologue`: it waits before its first load or store, so no access of
+# any kernel moves before the end of the one before it and the results are the same bits with
+# PDL or without.
+
+# The first architecture with griddepcontrol (Hopper).
+PDL_MIN_MAJOR = 9
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with PDL: compiled (not interpreted) for
+    an SM90 or later GPU."""
+    device = torch.device(device)
+    if not can_run_ptx(device):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_major(index) >= PDL_MIN_MAJOR
+
+
+def grid_dependency(device: torch.device, traced: bool) -> dict:
+    """The launch arguments of a kernel of kernels/ on ``device``: ``PDL`` (the kernel's
+    constexpr, :func:`grid_dependency_prologue`) and, where it is on, Triton's ``launch_pdl``.
+    On wherever the device supports it, except for a ``traced`` launch (through
+    ``wrap_triton``: Inductor launches the kernel itself, with no launch attributes)."""
+    if traced or not pdl_supported(device):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def grid_dependency_prologue(PDL: tl.constexpr):
+    """The first statement of every kernel: with ``PDL``, wait for the kernel before it on the
+    stream to finish (its writes visible), then let the next kernel launch. Without, nothing
+    (the stream orders the launches)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -25,6 +25,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
+from kernels.hardware import grid_dependency, grid_dependency_prologue
 from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.permute import check_permute_inputs, permutation_capacity
 from kernels.spec.tensors import check_expert_ids
@@ -163,7 +164,8 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
                            first_expert, num_local_experts, align,
                            CHUNK: tl.constexpr, SLICE: tl.constexpr, BINS: tl.constexpr,
                            FILL_EXPERTS: tl.constexpr, ALIGN_TILE: tl.constexpr,
-                           TAIL_BLOCK: tl.constexpr):
+                           TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency_prologue(PDL)
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     # The slice is loaded first: its load overlaps the ones of all ids.
@@ -287,11 +289,12 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
 def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, block_id_range_ptr,
                                 source_rows_ptr, num_pairs, num_blocks, capacity, first_expert,
                                 num_local_experts, BLOCK_PAIRS: tl.constexpr,
-                                EXPERT_BINS: tl.constexpr):
+                                EXPERT_BINS: tl.constexpr, PDL: tl.constexpr):
     """Pass 1: ``block_counts[b, e]`` = owned pairs of local expert e among block b's pairs;
     ``block_id_range[b] = (min, max)`` of block b's global ids (the device-side range check);
     and ``source_rows[p] = UNUSED`` over the program's stretch (the grid covers all P >= T*k
     entries). An id outside the local range -- including an out-of-range one -- is not owned."""
+    grid_dependency_prologue(PDL)
     block = tl.program_id(0)
     pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
     tl.store(source_rows_ptr + pairs, tl.full([BLOCK_PAIRS], UNUSED_ENTRY, tl.int32),
@@ -313,11 +316,12 @@ def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, block_id_range_p
 @triton.jit
 def _scan_blocks_kernel(block_counts_ptr, block_starts_ptr, expert_counts_ptr,
                         block_id_range_ptr, id_range_ptr, num_blocks, num_local_experts,
-                        SCAN_BLOCKS: tl.constexpr, EXPERT_CHUNK: tl.constexpr):
+                        SCAN_BLOCKS: tl.constexpr, EXPERT_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Pass 2: for one chunk of experts, an exclusive scan of ``block_counts`` down the blocks
     (``block_starts``); the column totals are ``expert_counts``. Program 0 also reduces
     ``block_id_range`` into ``id_range = (min(0, smallest id), max(0, largest id))`` (0 is a
     valid id, so the range check is unchanged; no pairs give (0, 0))."""
+    grid_dependency_prologue(PDL)
     if tl.program_id(0) == 0:
         low = tl.full([], 0, tl.int32)
         high = tl.full([], 0, tl.int32)
@@ -352,9 +356,10 @@ def _scan_blocks_kernel(block_counts_ptr, block_starts_ptr, expert_counts_ptr,
 def _place_pairs_kernel(topk_ids_ptr, block_starts_ptr, expert_counts_ptr, expert_offsets_ptr,
                         source_rows_ptr, inverse_ptr, num_pairs, first_expert, num_local_experts,
                         align, BLOCK_PAIRS: tl.constexpr, EXPERT_CHUNK: tl.constexpr,
-                        BINS: tl.constexpr, RANK: tl.constexpr):
+                        BINS: tl.constexpr, RANK: tl.constexpr, PDL: tl.constexpr):
     """Pass 3: the place of each pair of the block; writes ``source_rows`` and ``inverse``
     (and ``expert_offsets`` from program 0)."""
+    grid_dependency_prologue(PDL)
     block = tl.program_id(0)
     pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
     valid = pairs < num_pairs
@@ -454,7 +459,7 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
         capacity, first_expert, num_local_experts, align, CHUNK=chunk, SLICE=slice_pairs,
         BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
         ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, next_power_of_2(launch.single_fill)),
-        num_warps=warps)
+        num_warps=warps, **grid_dependency(topk_ids.device, traced))
 
 
 def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
@@ -471,6 +476,7 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
         device)
 
     bins = histogram_bins(num_local_experts)
+    pdl = grid_dependency(device, traced)
     fill_blocks = cdiv(capacity, block_pairs)      # capacity >= num_pairs
     count = wrap_triton(_count_block_experts_kernel) if traced else _count_block_experts_kernel
     scan = wrap_triton(_scan_blocks_kernel) if traced else _scan_blocks_kernel
@@ -479,17 +485,17 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
         count[(fill_blocks,)](
             topk_ids, block_counts, block_id_range, source_rows, num_pairs, num_blocks,
             capacity, first_expert, num_local_experts, BLOCK_PAIRS=block_pairs,
-            EXPERT_BINS=bins, num_warps=4)
+            EXPERT_BINS=bins, num_warps=4, **pdl)
     scan[(cdiv(num_local_experts, launch.expert_chunk),)](
         block_counts, block_starts, expert_counts, block_id_range, id_range, num_blocks,
         num_local_experts, SCAN_BLOCKS=launch.scan_blocks, EXPERT_CHUNK=launch.expert_chunk,
-        num_warps=4)
+        num_warps=4, **pdl)
     # At least one program, so that expert_offsets is written when there are no pairs.
     place[(torch.sym_max(num_blocks, 1),)](
         topk_ids, block_starts, expert_counts, expert_offsets, source_rows, inverse, num_pairs,
         first_expert, num_local_experts, align, BLOCK_PAIRS=block_pairs,
         EXPERT_CHUNK=launch.expert_chunk, BINS=bins, RANK=launch.place_rank,
-        num_warps=launch.place_warps)
+        num_warps=launch.place_warps, **pdl)
 
 
 def _launch_permute(topk_ids: torch.Tensor, first_expert: int, num_local_experts: int,

@@ -49,6 +49,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kernels import library, reference
+from kernels.hardware import grid_dependency, grid_dependency_prologue
 from kernels.sizes import cdiv, next_power_of_2, round_up
 from kernels.spec.prepare import check_prepare_inputs
 from kernels.spec.tensors import check_expert_ids
@@ -94,7 +95,8 @@ def _fill_tail(send_indices_ptr, backward_ptr, program, total, index_len,
 @triton.jit(do_not_specialize=["num_tokens"])
 def _count_kernel(topk_ids_ptr, scratch_ptr, num_tokens, ep_size, slots_per_rank, num_slots,
                   hist_offset, bad_offset, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                  R_PAD: tl.constexpr, S_PAD: tl.constexpr, FLAT: tl.constexpr):
+                  R_PAD: tl.constexpr, S_PAD: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency_prologue(PDL)
     # After this pass (scratch, int32): [0, blocks * R) block_counts[b, r] = tokens of block b
     # sent to rank r; hist_offset + [blocks, S) block_hist[b, s] = (token, slot) pairs of block b
     # routed to slot id s; bad_offset + b = flat position of block b's first id outside [0, S].
@@ -128,7 +130,8 @@ def _index_kernel(topk_ids_ptr, scratch_ptr, send_counts_ptr, send_cumsum_ptr,
                   ep_size, slots_per_rank, num_slots, index_len, hist_offset, bad_offset,
                   error_offset, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                   R_PAD: tl.constexpr, NB_PAD: tl.constexpr, BINS: tl.constexpr,
-                  TAIL_BLOCK: tl.constexpr, TAIL_CHUNK: tl.constexpr):
+                  TAIL_BLOCK: tl.constexpr, TAIL_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency_prologue(PDL)
     # After this pass: the LocalSendPlan (send counts and cumsum, send and backward indices
     # with their UNUSED tail, expert_counts) and scratch[error_offset] = first bad position.
     block = tl.program_id(0)
@@ -177,7 +180,8 @@ def _single_plan_kernel(topk_ids_ptr, scratch_ptr, send_counts_ptr, send_cumsum_
                         slots_per_rank, num_slots, index_len, error_offset,
                         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, R_PAD: tl.constexpr,
                         S_PAD: tl.constexpr, FLAT: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-                        TAIL_CHUNK: tl.constexpr):
+                        TAIL_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency_prologue(PDL)
     # Both passes in one launch, for a configuration whose one block holds every token
     # (N <= BLOCK_T): that block's counts are the per-rank totals, so no program waits for
     # another's. Program 0 writes the plan, the histogram and the range-check word
@@ -305,6 +309,7 @@ def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Te
     cfg = static_config(max_tokens, ep_size, top_k, slots)
     num_blocks = torch.sym_max(1, cdiv(num_tokens, cfg.block_t))
     slots_per_rank = slots // ep_size
+    pdl = grid_dependency(topk_ids.device, traced)
     if cfg.single:  # every T <= N is one block: its counts are the totals
         single = wrap_triton(_single_plan_kernel) if traced else _single_plan_kernel
         single[(cfg.index_programs,)](
@@ -313,21 +318,21 @@ def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Te
             plan.expert_counts, num_tokens, ep_size, slots_per_rank, slots,
             max_tokens * ep_size, cfg.error_offset, TOP_K=top_k, BLOCK_T=cfg.block_t,
             R_PAD=cfg.r_pad, S_PAD=cfg.s_pad, FLAT=cfg.flat, TAIL_BLOCK=TAIL_BLOCK,
-            TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS)
+            TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS, **pdl)
         return
     count = wrap_triton(_count_kernel) if traced else _count_kernel
     index = wrap_triton(_index_kernel) if traced else _index_kernel
     count[(num_blocks,)](
         topk_ids, scratch, num_tokens, ep_size, slots_per_rank, slots, cfg.hist_offset,
         cfg.bad_offset, TOP_K=top_k, BLOCK_T=cfg.block_t, R_PAD=cfg.r_pad, S_PAD=cfg.s_pad,
-        FLAT=cfg.flat, num_warps=NUM_WARPS)
+        FLAT=cfg.flat, num_warps=NUM_WARPS, **pdl)
     index[(cfg.index_programs,)](
         topk_ids, scratch, plan.send_counts, plan.send_rank_count_cumsum,
         plan.send_rank_local_indices, plan.backward_recv_rank_local_indices,
         plan.expert_counts, num_tokens, num_blocks, ep_size, slots_per_rank, slots,
         max_tokens * ep_size, cfg.hist_offset, cfg.bad_offset, cfg.error_offset, TOP_K=top_k,
         BLOCK_T=cfg.block_t, R_PAD=cfg.r_pad, NB_PAD=cfg.nb_pad, BINS=cfg.bins,
-        TAIL_BLOCK=TAIL_BLOCK, TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS)
+        TAIL_BLOCK=TAIL_BLOCK, TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS, **pdl)
 
 
 def launch_local_plan(topk_ids: torch.Tensor, ep_size: int, max_tokens: int,

@@ -223,7 +223,8 @@ def _launch_amax(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> tuple:
     if x.numel():
         amax[(num_programs,)](x, partial, num_rows, hidden, x.stride(0), x.stride(1),
                               cdiv(num_tiles, num_programs), BLOCK_ROWS=block_rows,
-                              COLS=cols, num_warps=launch.num_warps)
+                              COLS=cols, num_warps=launch.num_warps,
+                              **hardware.grid_dependency(x.device, traced))
     return (partial, num_programs if x.numel() else 0,
             min(launch.finish_block, next_power_of_2(most)))
 
@@ -232,7 +233,8 @@ def _launch_finish(partials: tuple, out: torch.Tensor, traced: bool) -> None:
     """The global scale's one-program finish: ``out`` [1] = the scale of the partials."""
     partial, count, block = partials
     finish = wrap_triton(global_scale_finish_kernel) if traced else global_scale_finish_kernel
-    finish[(1,)](partial, out, count, BLOCK=block, num_warps=4)
+    finish[(1,)](partial, out, count, BLOCK=block, num_warps=4,
+                 **hardware.grid_dependency(out.device, traced))
 
 
 def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> torch.Tensor:
@@ -341,7 +343,7 @@ def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
         BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, PREFETCH=min(launch.prefetch, steps),
         STORE_POLICY=launch.store_policy, SCALE_FROM_PARTIALS=partials is not None,
         PARTIAL_BLOCK=partial_block, num_warps=warps, **_register_cap(launch.maxnreg),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **hardware.grid_dependency(x.device, traced))
     return out, out_scales
 
 
@@ -580,7 +582,7 @@ def _launch_mx(x: torch.Tensor, fp4: bool, launch: BlockLaunch,
                      FP4=fp4, HARDWARE_E4M3=launch.hardware_e4m3 and launch.runs_ptx(x.device),
                      WORD_ASM=nvfp4_word_asm(x.device, in_kind, False, None, launch),
                      BLOCK_ROWS=block_rows, BLOCKS=blocks, num_warps=warps,
-                     enable_fp_fusion=False)
+                     enable_fp_fusion=False, **hardware.grid_dependency(x.device, traced))
     return pairs.view(torch.uint8), scales
 
 
@@ -668,7 +670,7 @@ def _launch_relayout(src: torch.Tensor, layout: str, num_rows: int, num_blocks: 
         kernel = wrap_triton(scale_layout_kernel) if traced else scale_layout_kernel
         kernel[grid](src, dst, num_rows, num_blocks, padded_blocks, cover_rows, cover_blocks,
                      LAYOUT=LAYOUT_IDS[layout], SWIZZLE=swizzle, BLOCK_ROWS=block_rows,
-                     BLOCKS=blocks, num_warps=4)
+                     BLOCKS=blocks, num_warps=4, **hardware.grid_dependency(src.device, traced))
     return dst
 
 
@@ -754,7 +756,8 @@ def _launch_dequantize(packed, scales, global_scale, layout, dtype, fmt, hidden,
         kernel = wrap_triton(dequantize_kernel) if traced else dequantize_kernel
         kernel[grid](packed, scales, global_scale, out, num_rows, hidden, padded_blocks,
                      FORMAT=fmt, LAYOUT=LAYOUT_IDS[layout], BLOCK_ROWS=block_rows,
-                     BLOCKS=blocks, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+                     BLOCKS=blocks, BLOCK=block, num_warps=warps, enable_fp_fusion=False,
+                     **hardware.grid_dependency(packed.device, traced))
     return out
 
 

@@ -78,7 +78,7 @@ from torch.library import wrap_triton
 from triton.language.extra import libdevice
 
 from kernels import library, reference
-from kernels.hardware import interpreting
+from kernels.hardware import grid_dependency, grid_dependency_prologue, interpreting
 from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
@@ -511,8 +511,9 @@ def _route_topk_kernel(
     GROUP_SELECT: tl.constexpr, WEIGHTS_FROM: tl.constexpr,
     SELECT_BIASED_SIGMOID: tl.constexpr, WEIGHTS: tl.constexpr, PRECISE_MATH: tl.constexpr,
     RECIPROCAL: tl.constexpr, SIGMOID_PACK: tl.constexpr, COMPACT_PACK: tl.constexpr,
-    VECTOR: tl.constexpr, GROUP_TOP2: tl.constexpr,
+    VECTOR: tl.constexpr, GROUP_TOP2: tl.constexpr, PDL: tl.constexpr,
 ):
+    grid_dependency_prologue(PDL)
     KEY64_NONE: tl.constexpr = -(2**63)  # below every packed key
 
     rows = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
@@ -823,7 +824,7 @@ def _launch(logits: torch.Tensor, top_k: int, method: str, bias, num_groups: int
                                        launch.num_warps),
         COMPACT_PACK=_values_per_check(rows_per_program * keep_pad * group_pad, launch.num_warps),
         VECTOR=vector, GROUP_TOP2=launch.group_top2,
-        num_warps=launch.num_warps,
+        num_warps=launch.num_warps, **grid_dependency(logits.device, traced),
     )
     return ids, weights
 

@@ -7,7 +7,10 @@ LLVM and ptxas; no GPU or driver needed) and not run. It prints one line per dis
 variant. The interpreter (what CPU-only CI runs otherwise) never compiles a kernel, so this is
 what catches code that runs there but does not build for a GPU: compile-time constexpr logic,
 inline PTX, layouts. GPU-only paths are forced on where the launcher would pick them only for
-a CUDA tensor (the NVFP4 word-level PTX path, the hardware e4m3 conversion, fast math).
+a CUDA tensor (the NVFP4 word-level PTX path, the hardware e4m3 conversion, fast math), and
+every kernel that takes ``PDL`` is built with it on and ``launch_pdl``, as an SM90 or later GPU
+launches it (``kernels.hardware.grid_dependency``); its PTX must then hold the grid dependency
+wait.
 
 Runs without ``TRITON_INTERPRET``: when the variable is set, the module starts itself again
 without it.
@@ -45,6 +48,8 @@ def install_compile_only(arch: int) -> list[str]:
 
     def run(self, *args, grid, warmup, **kwargs):
         kwargs.setdefault("debug", False)
+        if "PDL" in kwargs:  # a CPU tensor's launch has it off; a GPU's has it on
+            kwargs.update(PDL=True, launch_pdl=True)
         if self not in binders:
             binders[self] = create_function_from_signature(self.signature, self.params,
                                                            backend)
@@ -62,6 +67,8 @@ def install_compile_only(arch: int) -> list[str]:
                                 options=options.__dict__)
         values = {self.params[path[0]].name: value for path, value in constexprs.items()
                   if len(path) == 1}
+        if values.get("PDL") and "griddepcontrol.wait" not in kernel.asm["ptx"]:
+            raise AssertionError(f"{self.__name__}: PDL=True but no griddepcontrol.wait")
         compiled.append(f"{self.__name__} sm_{arch} {len(kernel.asm['cubin'])} B cubin "
                         f"{time.time() - start:.1f} s {values}")
         print(compiled[-1], flush=True)

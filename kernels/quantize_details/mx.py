@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.hardware import grid_dependency_prologue
 from kernels.casting import round_to
 from kernels.quantize_details.formats import (INV448, INV6, e4m3_value, e8m0_code,
                                               e8m0_inverse, e8m0_value, max_nan, scale_offsets,
@@ -19,10 +20,11 @@ from kernels.quantize_details.words import (e2m1_pairs, e4m3_pairs, load_words,
 def mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_row,
                        IN_KIND: tl.constexpr, FP4: tl.constexpr,
                        HARDWARE_E4M3: tl.constexpr, WORD_ASM: tl.constexpr,
-                       BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+                       BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """FP4: out is [M, H/2] uint8 (byte i = elements 2i, 2i + 1); else out is [M, H/2] uint16
     (the e4m3 bytes of elements 2i, 2i + 1, little-endian). WORD_ASM: bf16/fp16 on a GPU,
     the block amax reduced on the packed pairs (``words_amax``)."""
+    grid_dependency_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     block_start = tl.program_id(1) * BLOCKS
     num_blocks = hidden // 32
@@ -67,9 +69,11 @@ def mx_quantize_kernel(words_ptr, out_ptr, scales_ptr, num_rows, hidden, stride_
 @triton.jit
 def dequantize_kernel(packed_ptr, scales_ptr, global_scale_ptr, out_ptr, num_rows, hidden,
                       padded_blocks, FORMAT: tl.constexpr, LAYOUT: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+                      BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """FORMAT 0: NVFP4 (e2m1 * e4m3 * 1/gs), 1: MXFP4 (e2m1 * 2^(c-127)),
     2: MXFP8 (e4m3 * 2^(c-127))."""
+    grid_dependency_prologue(PDL)
     COLS: tl.constexpr = BLOCKS * BLOCK
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.hardware import grid_dependency_prologue
 from kernels.quantize_details.formats import (FLT_MAX_C, INV6, e4m3_round, max_nan, rcp_approx,
                                               scale_block_offsets, scale_row_offsets)
 from kernels.quantize_details.scales import global_scale_of
@@ -22,7 +23,8 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
                           WORD_ASM: tl.constexpr, STORE_ASM: tl.constexpr,
                           BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, STEPS: tl.constexpr,
                           PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr,
-                          SCALE_FROM_PARTIALS: tl.constexpr, PARTIAL_BLOCK: tl.constexpr):
+                          SCALE_FROM_PARTIALS: tl.constexpr, PARTIAL_BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """A program quantizes BLOCK_ROWS rows over STEPS consecutive tiles of BLOCKS scale blocks
     (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before working on the
     current one, so a thread has loads in flight while it computes. STORE_ASM: the block
@@ -30,6 +32,7 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
     SCALE_FROM_PARTIALS: the global scale is computed from the amax pass's partials
     (``global_scale_of``) and program (0, 0) writes it to ``global_scale_ptr``; else it is
     read from there."""
+    grid_dependency_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
     num_blocks = hidden // 16

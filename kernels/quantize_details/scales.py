@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.hardware import grid_dependency_prologue
 from kernels.casting import round_to
 from kernels.quantize_details.formats import (GLOBAL_NUMERATOR, max_nan, scale_offsets)
 from kernels.quantize_details.words import load_tile
@@ -13,12 +14,14 @@ from kernels.quantize_details.words import load_tile
 
 @triton.jit
 def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride_col,
-                        tiles_per_program, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+                        tiles_per_program, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr,
+                        PDL: tl.constexpr):
     """Pass 1 of the global scale: program p folds |x| over tiles p, p + P, p + 2P, ... (P = the
     grid) into a register tile and writes its max to partial[p]. No atomics, no zeroed
     workspace, so no fill launches; max is order-independent (deterministic) and propagates
     NaN as torch.amax does. A tile index past the last tile starts past the last row, so its
     load is fully masked."""
+    grid_dependency_prologue(PDL)
     col_tiles = tl.cdiv(hidden, COLS)
     acc = tl.zeros((BLOCK_ROWS, COLS), tl.float32)
     step = 0
@@ -32,8 +35,10 @@ def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride
 
 
 @triton.jit
-def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr):
+def global_scale_finish_kernel(partial_ptr, out_ptr, num_partials, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
     """Pass 2 (one program): out = :func:`global_scale_of` the partials."""
+    grid_dependency_prologue(PDL)
     tl.store(out_ptr, global_scale_of(partial_ptr, num_partials, BLOCK))
 
 
@@ -61,9 +66,10 @@ def global_scale_of(partial_ptr, num_partials, BLOCK: tl.constexpr):
 def scale_layout_kernel(src_ptr, dst_ptr, num_rows, num_blocks, padded_blocks,
                         cover_rows, cover_blocks, LAYOUT: tl.constexpr,
                         SWIZZLE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                        BLOCKS: tl.constexpr):
+                        BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """SWIZZLE: linear [num_rows, num_blocks] -> layout (padding written as 0); else the
     inverse. cover_rows/cover_blocks: the index range the grid covers."""
+    grid_dependency_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     inside = (rows < num_rows)[:, None] & (blocks < num_blocks)[None, :]

@@ -1,0 +1,56 @@
+"""kernels/hardware.py: what the launchers ask of the machine, here the programmatic dependent
+launch (PDL) rule. On a GPU the kernels of the decode chain must be compiled and launched with
+it; the chain's bits under it are checked against the oracle by the decode stage's replay tests
+(tests/test_bench_decode.py), which capture it with PDL on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import hardware
+
+CPU = torch.device("cpu")
+
+
+def test_pdl_is_off_for_cpu_tensors_and_traced_launches():
+    assert not hardware.pdl_supported(CPU)
+    for traced in (False, True):
+        assert hardware.grid_dependency(CPU, traced) == {"PDL": False}
+
+
+@pytest.mark.gpu
+def test_pdl_follows_the_architecture_and_is_off_when_traced():
+    device = torch.device("cuda", torch.cuda.current_device())
+    hopper_or_later = torch.cuda.get_device_capability(device)[0] >= hardware.PDL_MIN_MAJOR
+    assert hardware.pdl_supported(device) is hopper_or_later
+    expected = {"PDL": True, "launch_pdl": True} if hopper_or_later else {"PDL": False}
+    assert hardware.grid_dependency(device, False) == expected
+    assert hardware.grid_dependency(device, True) == {"PDL": False}
+
+
+@pytest.mark.gpu
+def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
+    """Every kernel one call of the decode chain launches on an SM90+ GPU is a variant with the
+    ``PDL`` constexpr on and Triton's ``launch_pdl`` option set."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if not hardware.pdl_supported(device):
+        pytest.skip("PDL needs SM90 or later; this GPU launches without it")
+    from bench.decode import DEEPSEEK_R1, DecodeChain, decode_inputs, triton_steps
+    from kernels import gather, permute, prepare, routing
+    from kernels.quantize_details import nvfp4, scales
+    kernels = (routing._route_topk_kernel, prepare._single_plan_kernel,
+               scales.amax_partial_kernel, nvfp4.nvfp4_quantize_kernel,
+               permute._permute_single_kernel, gather._gather_rows_kernel,
+               gather._unpermute_and_reduce_kernel)
+    for kernel in kernels:
+        kernel.device_caches[device.index][0].clear()
+    shape = dict(payload="nvfp4", ep_size=1, tokens=16, **DEEPSEEK_R1)
+    DecodeChain(triton_steps(), decode_inputs(shape, device), shape)()
+    torch.cuda.synchronize(device)
+    for kernel in kernels:
+        variants = list(kernel.device_caches[device.index][0].values())
+        assert variants, f"{kernel.__name__} was not launched"
+        for compiled in variants:
+            assert compiled.metadata.launch_pdl, kernel.__name__
+            assert "griddepcontrol.wait" in compiled.asm["ptx"], kernel.__name__
