@@ -50,9 +50,9 @@ def num_sms(device: torch.device) -> int:
 # running: once every program of that kernel has signalled (``griddepcontrol.launch_dependents``)
 # the next one is launched and its programs are placed on the SMs, and each of them waits
 # (``griddepcontrol.wait``) until the earlier kernel has finished and its writes are visible.
-# What it saves is the next kernel's launch and placement, about a microsecond between two
-# small kernels, which the decode step's chain of small launches pays at every step; a CUDA
-# graph captured from the stream keeps the edges. Every kernel of kernels/ starts with
+# What it saves is the next kernel's launch and placement, which a chain of small launches
+# (the decode step's) otherwise pays between every two kernels; a CUDA graph captured from the
+# stream keeps the edges. Every kernel of kernels/ starts with
 # :func:`grid_dependency_prologue`: it waits before its first load or store, so no access of
 # any kernel moves before the end of the one before it and the results are the same bits with
 # PDL or without.
