@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kernels.hardware import interpreting
+from kernels.hardware import capability, interpreting
 
 STAGES = ("routing", "permute", "prepare", "quantize", "transport")
 BACKENDS = ("triton", "flashinfer", "torch")
@@ -67,14 +67,6 @@ def triton_interpreting() -> bool:
 def flashinfer_installed() -> bool:
     """True when the ``flashinfer`` package can be found. Does not import it."""
     return importlib.util.find_spec("flashinfer") is not None
-
-
-def capability(device: torch.device) -> Optional[tuple[int, int]]:
-    """Compute capability ``(major, minor)`` of a CUDA ``device``; None for any other device."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
 
 
 def sm_major(device: torch.device) -> Optional[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -62,18 +63,24 @@ PDL_MIN_MAJOR = 9
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """Compute capability ``(major, minor)`` of a CUDA ``device`` (read once per device and
+    cached); None for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)
 
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on ``device`` can be launched with PDL: compiled (not interpreted) for
     an SM90 or later GPU."""
-    device = torch.device(device)
-    if not can_run_ptx(device):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_major(index) >= PDL_MIN_MAJOR
+    return can_run_ptx(device) and capability(device)[0] >= PDL_MIN_MAJOR
 
 
 def grid_dependency(device: torch.device, traced: bool) -> dict:

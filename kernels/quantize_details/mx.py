@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.hardware import grid_dependency_prologue
 from kernels.casting import round_to
+from kernels.hardware import grid_dependency_prologue
 from kernels.quantize_details.formats import (INV448, INV6, e4m3_value, e8m0_code,
                                               e8m0_inverse, e8m0_value, max_nan, scale_offsets,
                                               with_sign)

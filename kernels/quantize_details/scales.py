@@ -6,8 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.hardware import grid_dependency_prologue
 from kernels.casting import round_to
+from kernels.hardware import grid_dependency_prologue
 from kernels.quantize_details.formats import (GLOBAL_NUMERATOR, max_nan, scale_offsets)
 from kernels.quantize_details.words import load_tile
 
