@@ -231,6 +231,12 @@ MIN_BLOCK_T, MAX_BLOCK_T = 16, 512
 TAIL_BLOCK = 512
 TAIL_CHUNK = 4096
 NUM_WARPS = 4
+# The one-launch kernel's warps from its flat pair tile (FLAT = BLOCK_T * k, a power of two):
+# its histogram, prefix sums and stores of every pair run in one program, and from 2048 pairs
+# (T = 256 at k = 8) 8 warps finish them sooner than 4; below that 4 were faster (an H200,
+# E=256 k=8 R=1 at T = 16, 64 and 256).
+SINGLE_WIDE_PAIRS = 2048
+SINGLE_WIDE_WARPS = 8
 # tl.histogram distributes bins over the 32 lanes of a warp: never ask for fewer bins.
 HIST_MIN_BINS = 32
 
@@ -257,6 +263,7 @@ class PlanConfig(NamedTuple):
     error_offset: int
     pieces: tuple         # one int32 buffer split into the outputs and the scratch, see below
     single: bool          # one block holds N tokens: one launch (_single_plan_kernel)
+    single_warps: int     # warps of that launch (SINGLE_WIDE_PAIRS)
 
 
 def carve(sizes) -> tuple[tuple[int, ...], int]:
@@ -282,6 +289,7 @@ def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanCo
     def align(n):  # int32 words -> multiple of 4 (16 bytes)
         return round_up(n, 4)
     block_t = block_tokens(max_tokens, ep_size)
+    flat = next_power_of_2(block_t * top_k)
     max_blocks = max(1, cdiv(max_tokens, block_t))
     index_programs = max(max_blocks, cdiv(max_tokens * ep_size, TAIL_CHUNK))
     hist_offset = align(max_blocks * ep_size)
@@ -293,11 +301,12 @@ def plan_config(max_tokens: int, ep_size: int, top_k: int, slots: int) -> PlanCo
     return PlanConfig(
         block_t=block_t, index_programs=index_programs, r_pad=next_power_of_2(ep_size),
         s_pad=max(HIST_MIN_BINS, next_power_of_2(slots)),
-        flat=next_power_of_2(block_t * top_k),
+        flat=flat,
         nb_pad=next_power_of_2(max_blocks),
         bins=next_power_of_2(cdiv(slots, index_programs)),
         hist_offset=hist_offset, bad_offset=bad_offset, error_offset=error_offset,
-        pieces=pieces, single=max_blocks == 1)
+        pieces=pieces, single=max_blocks == 1,
+        single_warps=SINGLE_WIDE_WARPS if flat >= SINGLE_WIDE_PAIRS else NUM_WARPS)
 
 
 def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Tensor,
@@ -318,7 +327,7 @@ def _plan_kernels(topk_ids: torch.Tensor, plan: LocalSendPlan, scratch: torch.Te
             plan.expert_counts, num_tokens, ep_size, slots_per_rank, slots,
             max_tokens * ep_size, cfg.error_offset, TOP_K=top_k, BLOCK_T=cfg.block_t,
             R_PAD=cfg.r_pad, S_PAD=cfg.s_pad, FLAT=cfg.flat, TAIL_BLOCK=TAIL_BLOCK,
-            TAIL_CHUNK=TAIL_CHUNK, num_warps=NUM_WARPS, **pdl)
+            TAIL_CHUNK=TAIL_CHUNK, num_warps=cfg.single_warps, **pdl)
         return
     count = wrap_triton(_count_kernel) if traced else _count_kernel
     index = wrap_triton(_index_kernel) if traced else _index_kernel

@@ -54,6 +54,23 @@ def test_one_and_two_launch_forms_equal_reference(device, num_tokens, ep_size, r
         assert_plans_equal(got, want)
 
 
+@pytest.mark.parametrize("max_tokens", [128, 129])
+def test_single_launch_warps_rule_both_sides(device, max_tokens):
+    """The one-launch kernel runs on 8 warps from 2048 (token, slot) pairs per block (N = 129
+    rounds up to 256 tokens at k = 8) and on 4 below (N = 128: 1024 pairs); both equal the
+    oracle, with T = N and with fewer tokens than N."""
+    cfg = prepare.plan_config(max_tokens, 1, 8, 256)
+    assert cfg.single
+    assert cfg.single_warps == (prepare.SINGLE_WIDE_WARPS if max_tokens == 129
+                                else prepare.NUM_WARPS)
+    generator = torch.Generator().manual_seed(max_tokens)
+    for num_tokens in (max_tokens, 77):
+        ids = random_routing(1, num_tokens, 8, 256, 256, generator, padding=0.15)
+        want = ref.local_send_plan(ids, 256, 1, max_tokens_per_rank=max_tokens)
+        got = prepare.local_send_plan(ids.to(device), 256, 1, max_tokens_per_rank=max_tokens)
+        assert_plans_equal(got, want)
+
+
 @pytest.mark.parametrize("max_tokens", [4, 1100])
 def test_out_of_range_id_named_by_both_forms(device, max_tokens):
     ids = torch.tensor([[0, 1], [2, 9], [3, 3]], dtype=torch.int32, device=device)
