@@ -224,8 +224,9 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
     ``mul.rn`` / ``add.rn`` inline PTX, which no compiler fuses into an FMA, so the bits hold
     also where the launch option ``enable_fp_fusion=False`` is not passed on (Inductor compiles
     a registered op's kernels with its own launch options); else (the interpreter) plain
-    ``*`` and ``+``, launched with fp fusion off."""
-    grid_dependency_prologue(PDL)
+    ``*`` and ``+``, launched with fp fusion off. The next kernel launches as the programs exit,
+    not beside them (``kernels.hardware``, "Programmatic dependent launch")."""
+    grid_dependency_prologue(PDL, LAUNCH_NEXT=False)
     tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     token_ok = tokens < num_tokens

@@ -57,6 +57,13 @@ def num_sms(device: torch.device) -> int:
 # :func:`grid_dependency_prologue`: it waits before its first load or store, so no access of
 # any kernel moves before the end of the one before it and the results are the same bits with
 # PDL or without.
+#
+# Where the next kernel may launch is each kernel's own choice (``LAUNCH_NEXT``): at once, for
+# every kernel but ``unpermute_and_reduce``, which lets it launch as its programs exit. The
+# un-permute ends the receiving rank's step and streams P rows through hundreds of programs; a
+# kernel launched beside them ran slower than one launched at its exit (on an H200, the next
+# decode step's routing, behind the un-permute in one CUDA graph), and what follows it is the
+# caller's (the combine, the next layer), which gains little from an earlier start.
 
 # The first architecture with griddepcontrol (Hopper).
 PDL_MIN_MAJOR = 9
@@ -94,10 +101,14 @@ def grid_dependency(device: torch.device, traced: bool) -> dict:
 
 
 @triton.jit
-def grid_dependency_prologue(PDL: tl.constexpr):
+def grid_dependency_prologue(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True):
     """The first statement of every kernel: with ``PDL``, wait for the kernel before it on the
-    stream to finish (its writes visible), then let the next kernel launch. Without, nothing
-    (the stream orders the launches)."""
+    stream to finish (its writes visible), then, with ``LAUNCH_NEXT``, let the next kernel
+    launch. Without ``LAUNCH_NEXT`` the next kernel launches as this one's programs exit (a
+    program that exits counts as having signalled): still before this kernel's writes are
+    flushed, but never beside its running programs. Without ``PDL``, nothing (the stream
+    orders the launches)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if LAUNCH_NEXT:
+            gdc_launch_dependents()

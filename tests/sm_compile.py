@@ -10,7 +10,8 @@ inline PTX, layouts. GPU-only paths are forced on where the launcher would pick 
 a CUDA tensor (the NVFP4 word-level PTX path, the hardware e4m3 conversion, fast math), and
 every kernel that takes ``PDL`` is built with it on and ``launch_pdl``, as an SM90 or later GPU
 launches it (``kernels.hardware.grid_dependency``); its PTX must then hold the grid dependency
-wait.
+wait, and its line says where it lets the next kernel launch (``next:start``: its PTX signals
+``launch_dependents``; ``next:exit``: it does not, the next kernel launches as it exits).
 
 Runs without ``TRITON_INTERPRET``: when the variable is set, the module starts itself again
 without it.
@@ -67,10 +68,15 @@ def install_compile_only(arch: int) -> list[str]:
                                 options=options.__dict__)
         values = {self.params[path[0]].name: value for path, value in constexprs.items()
                   if len(path) == 1}
-        if values.get("PDL") and "griddepcontrol.wait" not in kernel.asm["ptx"]:
-            raise AssertionError(f"{self.__name__}: PDL=True but no griddepcontrol.wait")
+        next_launch = ""
+        if values.get("PDL"):
+            if "griddepcontrol.wait" not in kernel.asm["ptx"]:
+                raise AssertionError(f"{self.__name__}: PDL=True but no griddepcontrol.wait")
+            # where the kernel lets the next one launch: at its start, or as it exits
+            next_launch = (" next:start" if "griddepcontrol.launch_dependents"
+                           in kernel.asm["ptx"] else " next:exit")
         compiled.append(f"{self.__name__} sm_{arch} {len(kernel.asm['cubin'])} B cubin "
-                        f"{time.time() - start:.1f} s {values}")
+                        f"{time.time() - start:.1f} s{next_launch} {values}")
         print(compiled[-1], flush=True)
         return None
 

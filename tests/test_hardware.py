@@ -32,7 +32,8 @@ def test_pdl_follows_the_architecture_and_is_off_when_traced():
 @pytest.mark.gpu
 def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
     """Every kernel one call of the decode chain launches on an SM90+ GPU is a variant with the
-    ``PDL`` constexpr on and Triton's ``launch_pdl`` option set."""
+    ``PDL`` constexpr on and Triton's ``launch_pdl`` option set, and all but the un-permute let
+    the next kernel launch at their start."""
     device = torch.device("cuda", torch.cuda.current_device())
     if not hardware.pdl_supported(device):
         pytest.skip("PDL needs SM90 or later; this GPU launches without it")
@@ -54,3 +55,8 @@ def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
         for compiled in variants:
             assert compiled.metadata.launch_pdl, kernel.__name__
             assert "griddepcontrol.wait" in compiled.asm["ptx"], kernel.__name__
+            # every kernel lets the next one launch at its start but the un-permute, which
+            # lets it launch as it exits (kernels.hardware)
+            launches_next = "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
+            assert launches_next == (kernel is not gather._unpermute_and_reduce_kernel), \
+                kernel.__name__
