@@ -505,16 +505,18 @@ def one_graph_time(chain: DecodeChain) -> float:
 
 def count_launches(fn: Callable[[], Any], device: torch.device,
                    calls: int = LAUNCH_COUNT_CALLS) -> Optional[int]:
-    """Device activities (kernels, copies, memsets) per call of ``fn``: torch.profiler over
-    ``calls`` calls after one warm call. None off a GPU (the interpreter launches nothing)."""
+    """Device activities (kernels, copies, memsets) per call of ``fn``: torch.profiler
+    (``bench.timing.device_trace``) over ``calls`` calls after one warm call. None off a GPU
+    (the interpreter launches nothing)."""
     if device.type != "cuda":
         return None
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+
+    from bench.timing import device_trace
     with torch.cuda.device(device):
         fn()
         torch.cuda.synchronize(device)
-        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        with device_trace() as trace:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize(device)

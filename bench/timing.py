@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -404,18 +405,35 @@ def time_fixed(fn: Callable[[], object], *, before: Optional[Callable[[], object
     return _from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)], "fixed_events")
 
 
+@contextlib.contextmanager
+def device_trace():
+    """torch.profiler recording the GPU's activities over the block (yields the profile), and
+    CUPTI detached from the process when the block ends.
+
+    Kineto, torch.profiler's engine, leaves CUPTI attached after a session unless the
+    environment's ``TEARDOWN_CUPTI`` is "1" when the session stops. Attached, it slowed every
+    later CUDA-graph timing of the process (on an H200, a decode chain's graph of many calls
+    by microseconds, whatever was timed), so each bench row timed after an earlier row's
+    launch count or kernel times read slower. Every profile the bench takes goes through here;
+    the variable stays set for the rest of the process."""
+    from torch.profiler import ProfilerActivity, profile
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        yield trace
+
+
 def kernel_times(fn: Callable[[], object], *, barrier: Optional[Callable[[], object]] = None,
                  reps: int = KERNEL_TIME_REPS) -> dict[str, float]:
     """Device time per call (us) of each GPU activity ``fn`` launches (kernels, memsets,
-    copies), by torch.profiler over exactly ``reps`` calls after one untimed call (the same
-    count on every rank, so collectives can use it). A spinning receive kernel's time includes
-    its wait, which is the point: it shows how a transfer's time splits between its kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    copies), by torch.profiler (:func:`device_trace`) over exactly ``reps`` calls after one
+    untimed call (the same count on every rank, so collectives can use it). A spinning receive
+    kernel's time includes its wait, which is the point: it shows how a transfer's time splits
+    between its kernels."""
     fn()
     torch.cuda.synchronize()
     if barrier is not None:
         barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+    with device_trace() as trace:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()

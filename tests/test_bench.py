@@ -579,6 +579,31 @@ def test_gpu_kernel_times_name_the_kernels(tmp_path):
         assert any("route_topk" in name and us > 0 for name, us in r["kernels_us"].items()), r
 
 
+def test_device_trace_detaches_cupti_when_its_session_stops(monkeypatch):
+    """Every profile of the bench stops with TEARDOWN_CUPTI=1 in the environment (Kineto reads
+    it then): a session must not leave CUPTI attached to slow the timings after it."""
+    import torch.profiler
+    from bench import timing
+    seen = {}
+
+    class Recorder:
+        def __init__(self, activities):
+            seen["activities"] = activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            seen["at_stop"] = os.environ.get("TEARDOWN_CUPTI")
+            return False
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setattr(torch.profiler, "profile", Recorder)
+    with timing.device_trace() as trace:
+        assert isinstance(trace, Recorder)
+    assert seen == {"activities": [torch.profiler.ProfilerActivity.CUDA], "at_stop": "1"}
+
+
 def test_kernel_times_flag_parses():
     assert parse_args(["--kernel-times"]).kernel_times and not parse_args([]).kernel_times
 
