@@ -105,9 +105,9 @@ def grid_dependency_prologue(PDL: tl.constexpr, LAUNCH_NEXT: tl.constexpr = True
     """The first statement of every kernel: with ``PDL``, wait for the kernel before it on the
     stream to finish (its writes visible), then, with ``LAUNCH_NEXT``, let the next kernel
     launch. Without ``LAUNCH_NEXT`` the next kernel launches as this one's programs exit (a
-    program that exits counts as having signalled): still before this kernel's writes are
-    flushed, but never beside its running programs. Without ``PDL``, nothing (the stream
-    orders the launches)."""
+    program that exits counts as having signalled): never beside its running programs, and
+    still without waiting for the kernel to be complete, as a launch without PDL would.
+    Without ``PDL``, nothing (the stream orders the launches)."""
     if PDL:
         gdc_wait()
         if LAUNCH_NEXT:
