@@ -55,9 +55,8 @@ def test_every_kernel_compiles_for(arch):
     missing = library_kernels() - built
     assert not missing, f"kernels never launched by tests.sm_compile: {sorted(missing)}"
     # kernels.hardware: only the un-permute lets the next kernel launch as it exits
-    at_exit = {line.split()[0] for line in result.stdout.splitlines()
-               if f" sm_{arch} " in line and " next:exit " in line}
-    at_start = {line.split()[0] for line in result.stdout.splitlines()
-                if f" sm_{arch} " in line and " next:start " in line}
-    assert at_exit == {"_unpermute_and_reduce_kernel"}, sorted(at_exit)
-    assert {"_route_topk_kernel", "_gather_rows_kernel", "nvfp4_quantize_kernel"} <= at_start
+    lines = [line.split() for line in result.stdout.splitlines() if f" sm_{arch} " in line]
+    at = {where: {words[0] for words in lines if f"next:{where}" in words}
+          for where in ("start", "exit")}
+    assert at["exit"] == {"_unpermute_and_reduce_kernel"}, sorted(at["exit"])
+    assert {"_route_topk_kernel", "_gather_rows_kernel", "nvfp4_quantize_kernel"} <= at["start"]
