@@ -257,8 +257,9 @@ def permute_variants(num_pairs: int) -> list:
               K.PermuteLaunch(form="single", single_fill=8192),
               K.PermuteLaunch(form="single", single_chunk=256),
               K.PermuteLaunch(form="single", single_chunk=512),
-              K.PermuteLaunch(form="single", single_chunk=2048),
-              K.PermuteLaunch(form="single", single_warps=8)]
+              K.PermuteLaunch(form="single", single_chunk=1024),
+              K.PermuteLaunch(form="single", single_warps=8),
+              K.PermuteLaunch(form="single", single_wide_warps=4)]
     three = [K.PermuteLaunch(form="three_pass"),
              K.PermuteLaunch(form="three_pass", block_pairs=256),
              K.PermuteLaunch(form="three_pass", place_warps=4),

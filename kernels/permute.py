@@ -45,6 +45,10 @@ MIN_HISTOGRAM_BINS = 32
 # Elements of the one-launch form's [slice, all pairs] compare: 128 per thread at 8 warps. Past
 # it a slice shrinks (to 8 pairs at least) and more programs share the pairs.
 SINGLE_COMPARE_TILE = 2**15
+# The one-launch form's wide programs (PermuteLaunch.single_wide_warps): from a chunk of this
+# many ids, over at most this many histogram bins.
+WIDE_CHUNK = 2048
+WIDE_BINS = 256
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,12 @@ class PermuteLaunch:
         single_programs: about this many programs place the pairs (one more counts them), in
             slices of a power of two >= 8 pairs; each compares its slice with all T*k ids, so
             about one program per SM of an H200 (132) spreads that work evenly.
-        single_warps: warps per program (4: the best of 1, 4, 8 and 16 in the tune run, at
-            every size the form is chosen for).
+        single_warps: warps per program below a chunk of 2048 ids (4: the best of 1, 4, 8
+            and 16 in the tune run, at every size the form is chosen for).
+        single_wide_warps: warps per program from a chunk of 2048 ids (T*k > 1024) over at
+            most 256 bins: each program's [slice, chunk] compare doubles there, and 8 warps
+            were faster than 4 on an H200 at T=256 with E=256 (k=8); over 512 bins (E=384) 4
+            stayed faster in the tune run.
         single_fill: at most this many UNUSED entries of ``source_rows`` per program: more
             programs where the padding needs them (with align=128 and few tokens,
             ``P = T*k + E_local*127`` is mostly padding).
@@ -74,12 +82,11 @@ class PermuteLaunch:
             one narrower step, and the tile depends on T only through that power of two (one
             compiled kernel per power of two up to single_chunk; a symbolic T, traced with
             dynamic shapes, reads single_chunk at a time: one kernel for every T). The slices
-            are sized for the form's most pairs. The default, 1024, reads up to 1024 pairs
-            (T = 128 at k = 8) in one step and more in two: in the tune run
-            (tune-nvidia-h200-20261201T152121.json, E=256 k=8) it was faster than one step of
-            2048 at every T up to 128, the decode batches, and slower at T = 256; there the
-            narrower steps (256 at T <= 16, 512 at T = 64) were faster still, most with
-            align=128.
+            are sized for the form's most pairs. The default, 2048, reads every batch of the
+            form in one step: below 1024 pairs the power of two of T*k narrows it (in the tune
+            run, tune-nvidia-h200-20261201T152121.json, E=256 k=8, those narrower steps were
+            the fastest at every T up to 128), and at T = 256 one step of 2048 was faster
+            than two of 1024 (an H200, E=256 k=8, the permutation alone).
     Three-pass form:
         block_pairs: pairs per block of passes 1 and 3 (T=8192, k=8 gives 512 blocks of 128;
             pass 3's [block, block] compare holds block**2 / 256 values per thread at 8 warps,
@@ -97,8 +104,9 @@ class PermuteLaunch:
     single_max_pairs: int = 2048
     single_programs: int = 128
     single_warps: int = 4
+    single_wide_warps: int = 8
     single_fill: int = 2048
-    single_chunk: int = 1024
+    single_chunk: int = 2048
     block_pairs: int = 128
     scan_blocks: int = 512
     expert_chunk: int = 8
@@ -419,33 +427,37 @@ def _int32_buffers(sizes: tuple, device: torch.device) -> tuple[torch.Tensor, ..
     return tuple(torch.empty(size, dtype=torch.int32, device=device) for size in sizes)
 
 
-def single_tile(num_pairs, num_local_experts: int, launch: PermuteLaunch) -> tuple[int, int]:
-    """(CHUNK, SLICE) of the one-launch form for ``num_pairs`` = T*k (an int, or a symbolic
-    size while traced with dynamic shapes). The slice from the most pairs the rule gives the
-    form (static, not T*k). The chunk: no wider than those pairs nor than T*k rounded up to a
-    power of two (a compiled kernel per power of two below ``launch.single_chunk``), and at
-    least one id per thread (no replicated layout under the histogram). A symbolic T*k keeps
-    the static chunk: one compiled kernel for every T."""
+def single_tile(num_pairs, num_local_experts: int,
+                launch: PermuteLaunch) -> tuple[int, int, int]:
+    """(CHUNK, SLICE, warps) of the one-launch form for ``num_pairs`` = T*k (an int, or a
+    symbolic size while traced with dynamic shapes). The slice from the most pairs the rule
+    gives the form (static, not T*k). The chunk: no wider than those pairs nor than T*k
+    rounded up to a power of two (a compiled kernel per power of two below
+    ``launch.single_chunk``), and at least one id per thread (no replicated layout under the
+    histogram). A symbolic T*k keeps the static chunk: one compiled kernel for every T. The
+    warps: ``single_wide_warps`` from a chunk of WIDE_CHUNK ids over at most WIDE_BINS bins,
+    else ``single_warps``."""
     most = launch.single_limit(num_local_experts)
     widest = min(launch.single_chunk, next_power_of_2(most))
     if not isinstance(num_pairs, torch.SymInt):
         widest = min(widest, next_power_of_2(max(num_pairs, 1)))
-    chunk = max(widest, 32 * launch.single_warps)
+    wide = widest >= WIDE_CHUNK and histogram_bins(num_local_experts) <= WIDE_BINS
+    warps = launch.single_wide_warps if wide else launch.single_warps
+    chunk = max(widest, 32 * warps)
     slice_pairs = max(8, min(next_power_of_2(cdiv(most, launch.single_programs)),
                              SINGLE_COMPARE_TILE // chunk))
-    return chunk, slice_pairs
+    return chunk, slice_pairs, warps
 
 
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
                    capacity, first_expert, num_local_experts, align, launch: PermuteLaunch,
                    traced: bool):
     num_pairs = topk_ids.numel()
-    warps = launch.single_warps
     if num_pairs * num_local_experts >= 2**30:
         raise ValueError(f"T*k={num_pairs} pairs over E_local={num_local_experts} experts are too "
                          f"many for the one-launch form's int32 keys; use "
                          f"PermuteLaunch(form='three_pass') or the default rule")
-    chunk, slice_pairs = single_tile(num_pairs, num_local_experts, launch)
+    chunk, slice_pairs, warps = single_tile(num_pairs, num_local_experts, launch)
     programs = torch.sym_max(1 + cdiv(num_pairs, slice_pairs),
                              cdiv(capacity, launch.single_fill))
     # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no
@@ -533,17 +545,18 @@ def _permute_face(traced: bool):
     def permute_by_expert_op(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
                              num_local_experts: int, align: int, form: Optional[str],
                              single_max_pairs: int, single_programs: int, single_warps: int,
-                             single_fill: int, single_chunk: int, block_pairs: int,
-                             scan_blocks: int, expert_chunk: int, place_warps: int,
-                             place_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor]:
+                             single_wide_warps: int, single_fill: int, single_chunk: int,
+                             block_pairs: int, scan_blocks: int, expert_chunk: int,
+                             place_warps: int, place_rank: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor]:
         """``moe_a2a::permute_by_expert``: the arguments (E_local given), then the fields of
         :class:`PermuteLaunch` -> (source_rows [P], expert_counts [E_local], expert_offsets
         [E_local + 1], inverse [T*k], id_range [2]) int32."""
         _check_permute(topk_ids, num_experts, first_expert, num_local_experts, align)
         launch = PermuteLaunch(form, single_max_pairs, single_programs, single_warps,
-                               single_fill, single_chunk, block_pairs, scan_blocks,
-                               expert_chunk, place_warps, place_rank)
+                               single_wide_warps, single_fill, single_chunk, block_pairs,
+                               scan_blocks, expert_chunk, place_warps, place_rank)
         return _launch_permute(topk_ids.contiguous(), first_expert, num_local_experts, align,
                                launch, traced)
     library.check_config_parameters(permute_by_expert_op, PermuteLaunch)

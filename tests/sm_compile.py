@@ -166,6 +166,8 @@ def launch_everything() -> None:
     ids = torch.zeros(64, 8, dtype=torch.int32)
     for align in (1, 128):
         permute.permute_by_expert(ids, 256, align=align, check_ids=False)
+    # the one-launch form's wide programs (8 warps from a step of 2048 ids)
+    permute.permute_by_expert(torch.zeros(256, 8, dtype=torch.int32), 256, check_ids=False)
     for launch in (permute.PermuteLaunch(form="three_pass"), permute.ONEHOT_PERMUTE):
         permute.permute_by_expert(torch.zeros(8192, 8, dtype=torch.int32), 256, align=128,
                                   check_ids=False, launch=launch)

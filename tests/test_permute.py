@@ -111,17 +111,21 @@ def test_rule_branch_points():
 def test_single_form_reads_the_ids_in_steps_of_a_power_of_two():
     """The one-launch form's step over the ids: T*k rounded up to a power of two, at least one
     id per thread (128 at 4 warps), at most single_chunk (two steps past it); the slice does not
-    change with it."""
+    change with it. The warps: 8 from a step of 2048 ids over at most 256 bins, else 4."""
     rule = triton_permute.DEFAULT_PERMUTE
-    chunks = {pairs: triton_permute.single_tile(pairs, 256, rule) for pairs in
-              (0, 1, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048)}
-    assert {pairs: chunk for pairs, (chunk, _) in chunks.items()} == {
+    tiles = {pairs: triton_permute.single_tile(pairs, 256, rule) for pairs in
+             (0, 1, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048)}
+    assert {pairs: chunk for pairs, (chunk, _, _) in tiles.items()} == {
         0: 128, 1: 128, 128: 128, 129: 256, 256: 256, 257: 512, 512: 512, 513: 1024,
-        1024: 1024, 1025: 1024, 2048: 1024}
-    assert {slice_pairs for _, slice_pairs in chunks.values()} == {16}
-    wide = triton_permute.PermuteLaunch(single_chunk=2048, single_warps=16)
-    assert triton_permute.single_tile(8, 256, wide)[0] == 512
-    assert triton_permute.single_tile(2048, 256, wide)[0] == 2048
+        1024: 1024, 1025: 2048, 2048: 2048}
+    assert {pairs: warps for pairs, (_, _, warps) in tiles.items() if warps != 4} == {
+        1025: 8, 2048: 8}
+    assert {slice_pairs for _, slice_pairs, _ in tiles.values()} == {16}
+    # over 512 bins (E_local = 384) the programs stay at 4 warps
+    assert triton_permute.single_tile(2048, 384, rule) == (2048, 16, 4)
+    narrow = triton_permute.PermuteLaunch(single_chunk=1024, single_warps=16)
+    assert triton_permute.single_tile(8, 256, narrow)[0] == 512
+    assert triton_permute.single_tile(2048, 256, narrow) == (1024, 16, 16)
 
 
 @pytest.mark.parametrize("num_pairs", [128, 129, 256, 257, 512, 513, 1024, 1025, 2048])
