@@ -34,7 +34,8 @@ def _resolve(backend: Optional[str], tensor: torch.Tensor, name: str) -> str:
 
 def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert: int = 0,
                       num_local_experts: Optional[int] = None, align: int = 1,
-                      check_ids: bool = True, backend: Optional[str] = None) -> Permutation:
+                      check_ids: bool = True, overlap_previous: bool = False,
+                      backend: Optional[str] = None) -> Permutation:
     """Expert-major order of the locally owned (token, slot) pairs.
 
     Arguments:
@@ -48,6 +49,12 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         check_ids: True: raise ValueError for an id outside ``[0, num_experts]`` (one host
             sync on a GPU: Triton checks on the device and reads the result once). False: no
             sync (CUDA graphs, benchmarks); out-of-range ids are skipped as not owned.
+        overlap_previous: the caller's promise that the kernel launched just before this call
+            on its stream did not write ``topk_ids`` (say, the quantize of the activations
+            came between the routing and this call). On "triton" with PDL (SM90+) the
+            permutation then reads the ids while that kernel still runs
+            (``kernels.permute.PermuteLaunch.overlap_previous``); the same bits either way, and
+            nothing on "torch". A false promise gives a wrong permutation, not an error.
         backend: "triton", "torch" or "auto"; None takes the default (``MOE_A2A_BACKENDS``).
 
     Returns:
@@ -56,12 +63,13 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
         ``expert_offsets [E_local + 1]``, ``inverse [T*k]``, all int32 on ``topk_ids``' device,
         ``P = T*k + E_local*(align - 1)``. Both backends give identical buffers.
     """
+    options = dict(first_expert=first_expert, num_local_experts=num_local_experts, align=align,
+                   check_ids=check_ids)
     if _resolve(backend, topk_ids, "topk_ids") == "triton":
-        from kernels.permute import permute_by_expert as run
-    else:
-        run = reference.permute_by_expert
-    return run(topk_ids, num_experts, first_expert=first_expert,
-               num_local_experts=num_local_experts, align=align, check_ids=check_ids)
+        from kernels.permute import PermuteLaunch, permute_by_expert
+        return permute_by_expert(topk_ids, num_experts, **options,
+                                 launch=PermuteLaunch(overlap_previous=overlap_previous))
+    return reference.permute_by_expert(topk_ids, num_experts, **options)
 
 
 def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,

@@ -24,6 +24,7 @@ FlashInfer facts the adapters rely on (0.7.2):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -130,13 +131,23 @@ def _device(name: str, tensor: torch.Tensor) -> torch.device:
     return tensor.device
 
 
-def nvfp4_global_scale(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+def nvfp4_global_scale(x: torch.Tensor, *, overlap_previous: bool = False,
+                       backend: Optional[str] = None) -> torch.Tensor:
     """448 * 6 / amax(x) as [1] fp32 (1.0 when amax == 0); x: [M, H] bf16/fp16/fp32, any
-    strides. FlashInfer has no such kernel: backend="flashinfer" is refused with that reason."""
+    strides. overlap_previous: the caller's promise that the kernel launched just before this
+    call on its stream did not write x; on "triton" with PDL (SM90+) the amax pass then reads
+    x while that kernel still runs (``kernels.quantize.AmaxLaunch.overlap_previous``); the
+    same bits either way, nothing on "torch". FlashInfer has no such kernel:
+    backend="flashinfer" is refused with that reason."""
     chosen = resolve(STAGE, backend, _device("x", x), op="global_scale")
     if chosen == "torch":
         return reference.nvfp4_global_scale(x)
-    return triton_quantize.nvfp4_global_scale(x)
+    return triton_quantize.nvfp4_global_scale(x, launch=_amax_launch(overlap_previous))
+
+
+def _amax_launch(overlap_previous: bool) -> "triton_quantize.AmaxLaunch":
+    """The global scale's launch config: the default with ``overlap_previous``."""
+    return dataclasses.replace(triton_quantize.DEFAULT_AMAX, overlap_previous=overlap_previous)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str = "linear",
@@ -158,17 +169,23 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, *, layout: str =
 
 
 def scale_and_quantize_nvfp4(x: torch.Tensor, *, layout: str = "linear", fast_math: bool = False,
-                             check_values: bool = True, backend: Optional[str] = None
+                             check_values: bool = True, overlap_previous: bool = False,
+                             backend: Optional[str] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`nvfp4_global_scale` and :func:`quantize_nvfp4` with it as one op (two launches on
     "triton"): x [M, H] (any strides), layout, fast_math (not on "torch"), check_values (one
-    host read of the computed scale; False for CUDA graphs); returns (packed [M, H/2] uint8,
-    scales uint8 e4m3 in ``layout``, global_scale [1] fp32), the bits of the two ops.
-    FlashInfer has no global-scale op: backend="flashinfer" is refused with that reason."""
+    host read of the computed scale; False for CUDA graphs), overlap_previous (as
+    :func:`nvfp4_global_scale`'s: its amax pass is the op's first launch); returns (packed
+    [M, H/2] uint8, scales uint8 e4m3 in ``layout``, global_scale [1] fp32), the bits of the
+    two ops. FlashInfer has no global-scale op: backend="flashinfer" is refused with that
+    reason."""
     chosen = resolve(STAGE, backend, _device("x", x), op="global_scale")
-    run = {"triton": triton_quantize.scale_and_quantize_nvfp4,
-           "torch": reference.scale_and_quantize_nvfp4}[chosen]
-    return run(x, layout=layout, fast_math=fast_math, check_values=check_values)
+    if chosen == "torch":
+        return reference.scale_and_quantize_nvfp4(x, layout=layout, fast_math=fast_math,
+                                                  check_values=check_values)
+    return triton_quantize.scale_and_quantize_nvfp4(
+        x, layout=layout, fast_math=fast_math, check_values=check_values,
+        amax_launch=_amax_launch(overlap_previous))
 
 
 def quantize_mxfp8(x: torch.Tensor, *, backend: Optional[str] = None):

@@ -58,6 +58,25 @@ def num_sms(device: torch.device) -> int:
 # any kernel moves before the end of the one before it and the results are the same bits with
 # PDL or without.
 #
+# Since every kernel lets the next launch only after its own wait, a kernel that launches finds
+# every kernel before it on the stream finished, except the one just before it. Two first
+# launches may therefore read before they wait, where the reads cannot be of that one kernel's
+# writes:
+# - on the caller's promise, ``overlap_previous`` (``AmaxLaunch``, the global scale's amax
+#   pass; ``PermuteLaunch``, the permutation's first launch): the kernel just before the op
+#   wrote none of its inputs. The kernel reads its inputs and computes, then waits, then
+#   stores: its stores still follow the end of that kernel (whose buffers the caching
+#   allocator may hand to this one), and its end still follows it, so the kernels after it
+#   find the same order as before. Its work overlaps that kernel's, which is what a chain
+#   of small launches gains (the decode step: the amax pass beside the routing, the
+#   permutation beside the local send plan).
+# - within one op: ``scale_and_quantize_nvfp4``'s quantize issues its first loads of x before
+#   waiting for the op's own amax pass (which only read x), then reads the global scale.
+# A promise the stream does not keep gives wrong results, not an error: only the caller knows
+# what its stream launched last. (A kernel of another library may let its dependents launch
+# before its own wait; after such a kernel the promise must cover the kernel before that one
+# as well, which may still be running.)
+#
 # Where the next kernel may launch is each kernel's own choice (``LAUNCH_NEXT``): at once, for
 # every kernel but ``unpermute_and_reduce``, which lets it launch as its programs exit. The
 # un-permute ends the receiving rank's step and streams P rows through hundreds of programs; a

@@ -98,6 +98,12 @@ class PermuteLaunch:
             expert_chunk is also the chunk of RANK_ONEHOT's tile.
         place_warps: warps per program of pass 3 (4: the best of 4 and 8 in the tune run).
         place_rank: ``RANK_COMPARE`` ([block, block] compare) or ``RANK_ONEHOT``.
+
+    ``overlap_previous``: the caller's promise that the kernel launched just before this op on
+    its stream wrote none of ``topk_ids`` (kernels/hardware.py, "Programmatic dependent
+    launch"): with PDL, the first launch then reads the ids and computes while that kernel
+    still runs, and waits for it only before its first store. A false promise gives a wrong
+    permutation, not an error; no effect without PDL; the same bits either way.
     """
 
     form: Optional[str] = None
@@ -112,6 +118,7 @@ class PermuteLaunch:
     expert_chunk: int = 8
     place_warps: int = 4
     place_rank: int = RANK_COMPARE
+    overlap_previous: bool = False
 
     def chooses_single(self, num_pairs: int, num_local_experts: int) -> bool:
         """Whether ``T*k = num_pairs`` pairs over ``num_local_experts`` run the one-launch form."""
@@ -172,8 +179,10 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
                            first_expert, num_local_experts, align,
                            CHUNK: tl.constexpr, SLICE: tl.constexpr, BINS: tl.constexpr,
                            FILL_EXPERTS: tl.constexpr, ALIGN_TILE: tl.constexpr,
-                           TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    grid_dependency_prologue(PDL)
+                           TAIL_BLOCK: tl.constexpr, OVERLAP_PREVIOUS: tl.constexpr,
+                           PDL: tl.constexpr):
+    if not OVERLAP_PREVIOUS:
+        grid_dependency_prologue(PDL)
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     # The slice is loaded first: its load overlaps the ones of all ids.
@@ -213,6 +222,9 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
             keys = tl.where(owned, local * num_pairs + pairs, 2**30)  # unowned: after all
             place += tl.sum((keys[None, :] < my_keys[:, None]).to(tl.int32), axis=1)
         start += CHUNK
+    # (every load is above, every store below: OVERLAP_PREVIOUS waits here)
+    if OVERLAP_PREVIOUS:
+        grid_dependency_prologue(PDL)
     if ALIGN_TILE > 0:
         padded = (counts + align - 1) // align * align
         starts = tl.cumsum(padded, axis=0) - padded                # expert_offsets[:-1]
@@ -297,19 +309,24 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
 def _count_block_experts_kernel(topk_ids_ptr, block_counts_ptr, block_id_range_ptr,
                                 source_rows_ptr, num_pairs, num_blocks, capacity, first_expert,
                                 num_local_experts, BLOCK_PAIRS: tl.constexpr,
-                                EXPERT_BINS: tl.constexpr, PDL: tl.constexpr):
+                                EXPERT_BINS: tl.constexpr, OVERLAP_PREVIOUS: tl.constexpr,
+                                PDL: tl.constexpr):
     """Pass 1: ``block_counts[b, e]`` = owned pairs of local expert e among block b's pairs;
     ``block_id_range[b] = (min, max)`` of block b's global ids (the device-side range check);
     and ``source_rows[p] = UNUSED`` over the program's stretch (the grid covers all P >= T*k
-    entries). An id outside the local range -- including an out-of-range one -- is not owned."""
-    grid_dependency_prologue(PDL)
+    entries). An id outside the local range -- including an out-of-range one -- is not owned.
+    The ids are loaded before the first store (OVERLAP_PREVIOUS waits between them)."""
+    if not OVERLAP_PREVIOUS:
+        grid_dependency_prologue(PDL)
     block = tl.program_id(0)
     pairs = block * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)
+    valid = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)  # (all masked past num_blocks)
+    if OVERLAP_PREVIOUS:
+        grid_dependency_prologue(PDL)
     tl.store(source_rows_ptr + pairs, tl.full([BLOCK_PAIRS], UNUSED_ENTRY, tl.int32),
              mask=pairs < capacity)
     if block < num_blocks:
-        valid = pairs < num_pairs
-        ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
         local = ids - first_expert
         owned = valid & (local >= 0) & (local < num_local_experts)
         counts = tl.histogram(tl.where(owned, local, 0), EXPERT_BINS, mask=owned)
@@ -471,7 +488,8 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
         capacity, first_expert, num_local_experts, align, CHUNK=chunk, SLICE=slice_pairs,
         BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
         ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, next_power_of_2(launch.single_fill)),
-        num_warps=warps, **grid_dependency(topk_ids.device, traced))
+        OVERLAP_PREVIOUS=launch.overlap_previous, num_warps=warps,
+        **grid_dependency(topk_ids.device, traced))
 
 
 def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
@@ -497,7 +515,7 @@ def _launch_three_pass(topk_ids, source_rows, expert_counts, expert_offsets, inv
         count[(fill_blocks,)](
             topk_ids, block_counts, block_id_range, source_rows, num_pairs, num_blocks,
             capacity, first_expert, num_local_experts, BLOCK_PAIRS=block_pairs,
-            EXPERT_BINS=bins, num_warps=4, **pdl)
+            EXPERT_BINS=bins, OVERLAP_PREVIOUS=launch.overlap_previous, num_warps=4, **pdl)
     scan[(cdiv(num_local_experts, launch.expert_chunk),)](
         block_counts, block_starts, expert_counts, block_id_range, id_range, num_blocks,
         num_local_experts, SCAN_BLOCKS=launch.scan_blocks, EXPERT_CHUNK=launch.expert_chunk,
@@ -547,7 +565,7 @@ def _permute_face(traced: bool):
                              single_max_pairs: int, single_programs: int, single_warps: int,
                              single_wide_warps: int, single_fill: int, single_chunk: int,
                              block_pairs: int, scan_blocks: int, expert_chunk: int,
-                             place_warps: int, place_rank: int
+                             place_warps: int, place_rank: int, overlap_previous: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         torch.Tensor]:
         """``moe_a2a::permute_by_expert``: the arguments (E_local given), then the fields of
@@ -556,7 +574,8 @@ def _permute_face(traced: bool):
         _check_permute(topk_ids, num_experts, first_expert, num_local_experts, align)
         launch = PermuteLaunch(form, single_max_pairs, single_programs, single_warps,
                                single_wide_warps, single_fill, single_chunk, block_pairs,
-                               scan_blocks, expert_chunk, place_warps, place_rank)
+                               scan_blocks, expert_chunk, place_warps, place_rank,
+                               overlap_previous)
         return _launch_permute(topk_ids.contiguous(), first_expert, num_local_experts, align,
                                launch, traced)
     library.check_config_parameters(permute_by_expert_op, PermuteLaunch)

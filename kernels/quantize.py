@@ -107,13 +107,22 @@ class AmaxLaunch(_Target):
     """Launch rule of ``nvfp4_global_scale``: a persistent grid of ``programs_per_sm`` programs
     per SM, each looping over [``tile_rows``, ``tile_cols``] tiles (16 KiB of bf16 per step on
     8 warps: 4 16-byte loads per thread in flight), then one program reduces the per-program
-    maxima ``finish_block`` at a time. Two launches, no memset."""
+    maxima ``finish_block`` at a time. Two launches, no memset.
+
+    ``overlap_previous``: the caller's promise that the kernel launched just before this op on
+    its stream wrote none of x (for example, after the routing, x is the layer's input from
+    earlier still). Where the launch uses PDL (SM90+, compiled, not traced), the amax pass then
+    reads x while that kernel still runs and waits for it only before its one store. Without
+    the promise (the default) it waits first, as every kernel does. A false promise gives
+    wrong maxima, not an error: the overlap is the caller's knowledge of its stream. No
+    effect without PDL; the same bits either way."""
 
     tile_cols: int = 1024
     tile_rows: int = 8
     num_warps: int = 8
     programs_per_sm: int = 4
     finish_block: int = 1024
+    overlap_previous: bool = False
 
 
 DEFAULT_NVFP4 = NVFP4Launch()
@@ -223,7 +232,8 @@ def _launch_amax(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> tuple:
     if x.numel():
         amax[(num_programs,)](x, partial, num_rows, hidden, x.stride(0), x.stride(1),
                               cdiv(num_tiles, num_programs), BLOCK_ROWS=block_rows,
-                              COLS=cols, num_warps=launch.num_warps,
+                              COLS=cols, OVERLAP_PREVIOUS=launch.overlap_previous,
+                              num_warps=launch.num_warps,
                               **hardware.grid_dependency(x.device, traced))
     return (partial, num_programs if x.numel() else 0,
             min(launch.finish_block, next_power_of_2(most)))
@@ -247,11 +257,12 @@ def _launch_global_scale(x: torch.Tensor, launch: AmaxLaunch, traced: bool) -> t
 def _global_scale_face(traced: bool):
     def nvfp4_global_scale_op(x: torch.Tensor, ptx: Optional[bool], num_sms: Optional[int],
                               tile_cols: int, tile_rows: int, num_warps: int,
-                              programs_per_sm: int, finish_block: int) -> torch.Tensor:
+                              programs_per_sm: int, finish_block: int,
+                              overlap_previous: bool) -> torch.Tensor:
         """``moe_a2a::nvfp4_global_scale``: x, then the fields of :class:`AmaxLaunch`."""
         check_tensor("x", x, dtype=QUANT_INPUT_DTYPES, ndim=2)
         launch = AmaxLaunch(ptx, num_sms, tile_cols, tile_rows, num_warps, programs_per_sm,
-                            finish_block)
+                            finish_block, overlap_previous)
         return _launch_global_scale(x, launch, traced)
     library.check_config_parameters(nvfp4_global_scale_op, AmaxLaunch)
     return nvfp4_global_scale_op
@@ -307,14 +318,16 @@ def _nvfp4_shapes(x, layout, rows):
 
 
 def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
-                  launch: NVFP4Launch, traced: bool,
-                  partials: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  launch: NVFP4Launch, traced: bool, partials: Optional[tuple] = None,
+                  x_ready: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantize launch on checked arguments; ``out`` / ``out_scales`` None: allocated.
     ``traced`` (the registered op's body, which Inductor compiles) stores the block scales by
     ``tl.store``, which Inductor's mutation analysis follows; the eager path keeps the inline
     PTX store on a GPU (``quantize_tile``). The same bits either way. ``partials`` (from
     :func:`_launch_amax`): the kernel computes the global scale from them and writes it to
-    ``global_scale`` (the caller writes it where the grid is empty)."""
+    ``global_scale`` (the caller writes it where the grid is empty). ``x_ready``: the kernel
+    before this launch on the stream did not write x (``scale_and_quantize_nvfp4``: it is the
+    op's own global-scale pass); the kernel's first loads of x then precede its wait."""
     packed_shape, scale_shape = _nvfp4_shapes(x, layout, rows)
     num_rows = packed_shape[0]
     padded_rows, padded_blocks = scale_shape
@@ -342,7 +355,8 @@ def _launch_nvfp4(x, global_scale, layout, fast_math, rows, out, out_scales,
         FAST_MATH=fast_math, WORD_ASM=word_asm, STORE_ASM=word_asm and not traced,
         BLOCK_ROWS=block_rows, BLOCKS=blocks, STEPS=steps, PREFETCH=min(launch.prefetch, steps),
         STORE_POLICY=launch.store_policy, SCALE_FROM_PARTIALS=partials is not None,
-        PARTIAL_BLOCK=partial_block, num_warps=warps, **_register_cap(launch.maxnreg),
+        PARTIAL_BLOCK=partial_block, X_READY=x_ready, num_warps=warps,
+        **_register_cap(launch.maxnreg),
         enable_fp_fusion=False, **hardware.grid_dependency(x.device, traced))
     return out, out_scales
 
@@ -479,9 +493,9 @@ def _launch_scale_and_quantize(x, layout, fast_math, amax_launch: AmaxLaunch,
     if not finishes_in_quantize(padded_rows, padded_blocks, x.device, launch):
         _launch_finish(partials, global_scale, traced)
         return _launch_nvfp4(x, global_scale, layout, fast_math, None, None, None, launch,
-                             traced) + (global_scale,)
+                             traced, x_ready=True) + (global_scale,)
     packed, scales = _launch_nvfp4(x, global_scale, layout, fast_math, None, None, None,
-                                   launch, traced, partials)
+                                   launch, traced, partials, x_ready=True)
     if padded_rows == 0 or padded_blocks == 0:  # no quantize program ran
         _launch_finish(partials, global_scale, traced)
     return packed, scales, global_scale
@@ -497,14 +511,16 @@ def _scale_and_quantize_face(traced: bool):
             x: torch.Tensor, layout: str, fast_math: bool, amax_ptx: Optional[bool],
             amax_num_sms: Optional[int], amax_tile_cols: int, amax_tile_rows: int,
             amax_num_warps: int, amax_programs_per_sm: int, amax_finish_block: int,
-            ptx: Optional[bool], num_sms: Optional[int], tile_elements: int, max_blocks: int,
-            num_warps: int, steps: int, prefetch: int, maxnreg: Optional[int],
-            store_policy: str, word_asm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            amax_overlap_previous: bool, ptx: Optional[bool], num_sms: Optional[int],
+            tile_elements: int, max_blocks: int, num_warps: int, steps: int, prefetch: int,
+            maxnreg: Optional[int], store_policy: str, word_asm: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``moe_a2a::scale_and_quantize_nvfp4``: the arguments, the fields of
         :class:`AmaxLaunch` (prefixed ``amax_``), then those of :class:`NVFP4Launch` ->
         (packed [M, H/2] uint8, scales uint8 in ``layout``, global_scale [1] fp32)."""
         amax_launch = AmaxLaunch(amax_ptx, amax_num_sms, amax_tile_cols, amax_tile_rows,
-                                 amax_num_warps, amax_programs_per_sm, amax_finish_block)
+                                 amax_num_warps, amax_programs_per_sm, amax_finish_block,
+                                 amax_overlap_previous)
         launch = NVFP4Launch(ptx, num_sms, tile_elements, max_blocks, num_warps, steps,
                              prefetch, maxnreg, store_policy, word_asm)
         _check_scale_and_quantize(x, layout, fast_math, launch)

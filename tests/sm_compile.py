@@ -11,7 +11,10 @@ a CUDA tensor (the NVFP4 word-level PTX path, the hardware e4m3 conversion, fast
 every kernel that takes ``PDL`` is built with it on and ``launch_pdl``, as an SM90 or later GPU
 launches it (``kernels.hardware.grid_dependency``); its PTX must then hold the grid dependency
 wait, and its line says where it lets the next kernel launch (``next:start``: its PTX signals
-``launch_dependents``; ``next:exit``: it does not, the next kernel launches as it exits).
+``launch_dependents``; ``next:exit``: it does not, the next kernel launches as it exits) and
+whether it reads global memory before that wait (``reads:before-wait``: a load precedes the
+wait in its PTX, as ``overlap_previous`` and the quantize's ``X_READY`` ask; else
+``reads:after-wait``).
 
 Runs without ``TRITON_INTERPRET``: when the variable is set, the module starts itself again
 without it.
@@ -75,6 +78,9 @@ def install_compile_only(arch: int) -> list[str]:
             # where the kernel lets the next one launch: at its start, or as it exits
             next_launch = (" next:start" if "griddepcontrol.launch_dependents"
                            in kernel.asm["ptx"] else " next:exit")
+            first_load = kernel.asm["ptx"].find("ld.global")
+            before = 0 <= first_load < kernel.asm["ptx"].find("griddepcontrol.wait")
+            next_launch += " reads:before-wait" if before else " reads:after-wait"
         compiled.append(f"{self.__name__} sm_{arch} {len(kernel.asm['cubin'])} B cubin "
                         f"{time.time() - start:.1f} s{next_launch} {values}")
         print(compiled[-1], flush=True)
@@ -104,6 +110,8 @@ def launch_everything() -> None:
                 Q.quantize_nvfp4(x, gs, layout=layout, fast_math=True, launch=nvfp4)
             Q.nvfp4_global_scale(x)
             Q.scale_and_quantize_nvfp4(x, check_values=False, launch=nvfp4)
+            Q.scale_and_quantize_nvfp4(x, check_values=False, launch=nvfp4,
+                                       amax_launch=Q.AmaxLaunch(overlap_previous=True))
             if hidden % 32 == 0:
                 Q.quantize_mxfp8(x, launch=block)
                 Q.quantize_mxfp4(x, launch=block)
@@ -166,8 +174,13 @@ def launch_everything() -> None:
     ids = torch.zeros(64, 8, dtype=torch.int32)
     for align in (1, 128):
         permute.permute_by_expert(ids, 256, align=align, check_ids=False)
-    # the one-launch form's wide programs (8 warps from a step of 2048 ids)
+    # the one-launch form's wide programs (8 warps from 2048 ids) and both forms' first launch
+    # reading the ids before its wait
     permute.permute_by_expert(torch.zeros(256, 8, dtype=torch.int32), 256, check_ids=False)
+    early = permute.PermuteLaunch(overlap_previous=True)
+    permute.permute_by_expert(ids, 256, check_ids=False, launch=early)
+    permute.permute_by_expert(torch.zeros(8192, 8, dtype=torch.int32), 256, check_ids=False,
+                              launch=early)
     for launch in (permute.PermuteLaunch(form="three_pass"), permute.ONEHOT_PERMUTE):
         permute.permute_by_expert(torch.zeros(8192, 8, dtype=torch.int32), 256, align=128,
                                   check_ids=False, launch=launch)

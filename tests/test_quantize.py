@@ -80,8 +80,12 @@ def test_scale_and_quantize_is_the_two_ops(device, seed, dtype, num_rows, hidden
         _assert_same(R.scale_and_quantize_nvfp4(x, layout=layout), expected)
         _assert_same(Q.scale_and_quantize_nvfp4(x, layout=layout), expected)
         for backend in ("triton", "torch"):
-            _assert_same(A.scale_and_quantize_nvfp4(x, layout=layout, backend=backend),
-                         expected)
+            for overlap in (False, True):  # (a stream-order promise: the same bits)
+                _assert_same(A.scale_and_quantize_nvfp4(x, layout=layout, backend=backend,
+                                                        overlap_previous=overlap), expected)
+    for backend in ("triton", "torch"):
+        _assert_same((A.nvfp4_global_scale(x, overlap_previous=True, backend=backend),),
+                     (gs,))
     expected = R.quantize_nvfp4(x, gs) + (gs,)
     for amax_launch in (Q.AmaxLaunch(num_sms=1, programs_per_sm=1, finish_block=2),
                         Q.AmaxLaunch(num_sms=5, programs_per_sm=1, finish_block=2)):

@@ -60,3 +60,15 @@ def test_every_kernel_compiles_for(arch):
           for where in ("start", "exit")}
     assert at["exit"] == {"_unpermute_and_reduce_kernel"}, sorted(at["exit"])
     assert {"_route_topk_kernel", "_gather_rows_kernel", "nvfp4_quantize_kernel"} <= at["start"]
+    # kernels.hardware: a kernel reads before its wait exactly where overlap_previous (or the
+    # quantize's X_READY) asks it to, and such a variant of each of those kernels was built
+    flags = ("'OVERLAP_PREVIOUS': True", "'X_READY': True")
+
+    def asks(words):
+        return any(flag in " ".join(words) for flag in flags)
+    assert {words[0] for words in lines if asks(words)} == {
+        "amax_partial_kernel", "nvfp4_quantize_kernel", "_permute_single_kernel",
+        "_count_block_experts_kernel"}
+    wrong = [" ".join(words) for words in lines
+             if ("reads:before-wait" in words) != asks(words)]
+    assert not wrong, wrong[:3]

@@ -24,15 +24,18 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
                           BLOCK_ROWS: tl.constexpr, BLOCKS: tl.constexpr, STEPS: tl.constexpr,
                           PREFETCH: tl.constexpr, STORE_POLICY: tl.constexpr,
                           SCALE_FROM_PARTIALS: tl.constexpr, PARTIAL_BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+                          X_READY: tl.constexpr, PDL: tl.constexpr):
     """A program quantizes BLOCK_ROWS rows over STEPS consecutive tiles of BLOCKS scale blocks
     (unrolled), loading the tile PREFETCH (1, 2 or 3) steps ahead before working on the
     current one, so a thread has loads in flight while it computes. STORE_ASM: the block
     scales are stored by inline PTX (``store_bytes``; with WORD_ASM only).
     SCALE_FROM_PARTIALS: the global scale is computed from the amax pass's partials
     (``global_scale_of``) and program (0, 0) writes it to ``global_scale_ptr``; else it is
-    read from there."""
-    grid_dependency_prologue(PDL)
+    read from there. X_READY: the kernel before this one on the stream did not write x (it
+    is the op's own global-scale pass, which only read it): the first tiles' loads are issued
+    before the wait for that kernel, which comes before the global scale is read."""
+    if not X_READY:
+        grid_dependency_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     block_start = tl.program_id(1) * (BLOCKS * STEPS)
     num_blocks = hidden // 16
@@ -48,6 +51,8 @@ def nvfp4_quantize_kernel(words_ptr, rows_ptr, global_scale_ptr, out_ptr, scales
         ahead = load_halves(in_ptrs, row_ok, block_start + BLOCKS, num_blocks, BLOCKS)
     if PREFETCH > 2 and STEPS > 2:
         ahead2 = load_halves(in_ptrs, row_ok, block_start + 2 * BLOCKS, num_blocks, BLOCKS)
+    if X_READY:
+        grid_dependency_prologue(PDL)
     # (after the first tiles' loads are issued: the scale's own loads overlap them)
     if SCALE_FROM_PARTIALS:
         # The global scale's finish in every program (num_partials floats from L2, the

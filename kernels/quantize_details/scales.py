@@ -15,13 +15,15 @@ from kernels.quantize_details.words import load_tile
 @triton.jit
 def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride_col,
                         tiles_per_program, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        OVERLAP_PREVIOUS: tl.constexpr, PDL: tl.constexpr):
     """Pass 1 of the global scale: program p folds |x| over tiles p, p + P, p + 2P, ... (P = the
     grid) into a register tile and writes its max to partial[p]. No atomics, no zeroed
     workspace, so no fill launches; max is order-independent (deterministic) and propagates
     NaN as torch.amax does. A tile index past the last tile starts past the last row, so its
-    load is fully masked."""
-    grid_dependency_prologue(PDL)
+    load is fully masked. OVERLAP_PREVIOUS: x is read while the kernel before it may still
+    run, and the wait comes before the one store (``AmaxLaunch.overlap_previous``)."""
+    if not OVERLAP_PREVIOUS:
+        grid_dependency_prologue(PDL)
     col_tiles = tl.cdiv(hidden, COLS)
     acc = tl.zeros((BLOCK_ROWS, COLS), tl.float32)
     step = 0
@@ -31,6 +33,8 @@ def amax_partial_kernel(x_ptr, partial_ptr, num_rows, hidden, stride_row, stride
                       num_rows, hidden, stride_row, stride_col, BLOCK_ROWS, COLS)
         acc = max_nan(acc, tl.abs(x))
         step += 1
+    if OVERLAP_PREVIOUS:
+        grid_dependency_prologue(PDL)
     tl.store(partial_ptr + tl.program_id(0), tl.reduce(tl.reduce(acc, 1, max_nan), 0, max_nan))
 
 
