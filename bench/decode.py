@@ -4,10 +4,10 @@ The chain, on DeepSeek-R1-FP4 shapes on a GPU (E=256 experts, k=8, 8 expert grou
 routed scaling 2.5, H=7168, x bf16; the interpreter runs tiny ones, :class:`DecodeStage`)::
 
     route_topk(logits [T, E] fp32, "deepseek_v3")     -> topk_ids [T, k] int32, weights [T, k] fp32
-    local_send_plan(topk_ids, E, ep_size)            -> LocalSendPlan (who sends what where)
     scale_and_quantize_nvfp4(x)                      -> packed [T, H/2] uint8, scales [T, H/16],
         (nvfp4_global_scale(x), then quantize_nvfp4     global_scale [1] fp32
          with it: 2 launches at decode sizes)
+    local_send_plan(topk_ids, E, ep_size)            -> LocalSendPlan (who sends what where)
     permute_by_expert(topk_ids, E)                   -> Permutation, P = T*k permuted rows
     gather_rows(packed, source_rows, scales=scales)  -> [P, H/2] uint8, [P, H/16] uint8
         (payload "nvfp4": the rows a receiving rank hands its grouped GEMM), or
@@ -22,6 +22,13 @@ quantized rows. The plan is still computed (and checked), as every EP step compu
 the ``bf16`` payload the sender still quantizes and the receiver gathers the bf16 rows instead
 (what a bf16 dispatch delivers): the chain as it was first timed, which the T=2048 target keeps
 (bench/targets.py).
+
+In that order two steps follow a kernel that did not write their inputs, and the ``triton``
+row says so (``overlap_previous=True``, kernels/hardware.py): the quantize (x, after the
+routing) and the permutation (the ids, after the plan: with ``ep_size = 1`` no transport runs
+between them). With PDL each reads its inputs while the kernel before it still runs. A rank
+whose transport delivers the ids just before its permutation could not promise that: there
+the permutation's first launch waits first, as every other step's does.
 
 Paths (rows): ``triton`` (every op with ``backend="triton"`` and every check that reads the
 device turned off, ``check_ids=False`` and ``check_values=False``: no host sync, so a CUDA
@@ -146,9 +153,11 @@ def oracle_steps() -> ChainSteps:
                       gather=reference.gather_rows, unpermute=reference.unpermute_and_reduce)
 
 
-def triton_steps(routing_backend: str = "triton") -> ChainSteps:
+def triton_steps(routing_backend: str = "triton", overlap_previous: bool = False) -> ChainSteps:
     """Every step on ``backend="triton"`` with its device-read checks off (no host sync), the
-    routing on ``routing_backend`` ("triton" or "flashinfer"). The local send plan has no
+    routing on ``routing_backend`` ("triton" or "flashinfer"). ``overlap_previous``: the
+    quantize and the permutation overlap the kernel before them, as :func:`run_chain`'s order
+    allows (the module docstring says why); not for another order. The local send plan has no
     stage function (it is a plain kernel, as the ``prepare`` stage notes): its launcher is
     called directly."""
     from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce
@@ -159,8 +168,9 @@ def triton_steps(routing_backend: str = "triton") -> ChainSteps:
         route=functools.partial(route_topk, backend=routing_backend),
         plan=functools.partial(local_send_plan, check_ids=False),
         quantize=functools.partial(scale_and_quantize_nvfp4, check_values=False,
-                                   backend="triton"),
-        permute=functools.partial(permute_by_expert, check_ids=False, backend="triton"),
+                                   overlap_previous=overlap_previous, backend="triton"),
+        permute=functools.partial(permute_by_expert, check_ids=False,
+                                  overlap_previous=overlap_previous, backend="triton"),
         gather=functools.partial(gather_rows, check_values=False, backend="triton"),
         unpermute=functools.partial(unpermute_and_reduce, check_values=False,
                                     backend="triton"))
@@ -178,11 +188,11 @@ def after_routing(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor,
     """The chain's steps after the routing, on the given routing; ``quantized`` (global scale,
     packed, scales) reuses a quantization of ``x`` instead of computing it again."""
     experts = shape["experts"]
-    plan = steps.plan(topk_ids, experts, shape["ep_size"], max_tokens_per_rank=shape["tokens"])
     if quantized is None:
         packed, scales, global_scale = steps.quantize(x)
     else:
         global_scale, packed, scales = quantized
+    plan = steps.plan(topk_ids, experts, shape["ep_size"], max_tokens_per_rank=shape["tokens"])
     permutation = steps.permute(topk_ids, experts)
     gathered = gather_payload(steps, shape, x, packed, scales, permutation)
     out = steps.unpermute(expert_out, permutation, topk_weights)
@@ -485,7 +495,7 @@ def paired_times(chain: DecodeChain, backend: str, inputs: dict, shape: dict) ->
     the target that judges the one row against the other (bench/targets.py reads them instead
     of the two rows' own times, which were taken minutes apart)."""
     from bench.timing import time_graphs_interleaved
-    other = DecodeChain(triton_steps(), inputs, shape)
+    other = DecodeChain(triton_steps(overlap_previous=True), inputs, shape)
     with torch.cuda.device(chain.x.device):
         times = time_graphs_interleaved({backend: chain, "triton": other})
     return {name: round(timing.median_us, 3) for name, timing in times.items()}
@@ -560,7 +570,10 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                 raise Unavailable(overlap_reason(device))
             chain_class = (CompiledChain if compiled else
                            OverlappedChain if overlapped else DecodeChain)
-            holder["chain"] = chain_class(triton_steps(routing_backend), inputs, shape)
+            # run_chain's order, where the flags hold; not the overlapped chain's streams
+            holder["chain"] = chain_class(triton_steps(routing_backend,
+                                                       overlap_previous=not overlapped),
+                                          inputs, shape)
             return holder["chain"]
 
         near_ties = routing_backend == "flashinfer"
@@ -595,7 +608,8 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
     oracle = dataclasses.replace(
         oracle, facts=lambda: {"launches": count_launches(oracle.run, device)})
     return [chain_path("triton", "triton",
-                       "timed: the whole chain, Triton, check_ids/check_values=False"),
+                       "timed: the whole chain, Triton, check_ids/check_values=False, the "
+                       "quantize and the permutation with overlap_previous=True"),
             chain_path(OVERLAP_BACKEND, "triton",
                        "timed: the triton row's ops, the steps that do not depend on each other "
                        "on streams of their own (route, permute, unpermute; quantize and the "

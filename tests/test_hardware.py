@@ -32,8 +32,9 @@ def test_pdl_follows_the_architecture_and_is_off_when_traced():
 @pytest.mark.gpu
 def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
     """Every kernel one call of the decode chain launches on an SM90+ GPU is a variant with the
-    ``PDL`` constexpr on and Triton's ``launch_pdl`` option set, and all but the un-permute let
-    the next kernel launch at their start."""
+    ``PDL`` constexpr on and Triton's ``launch_pdl`` option set, all but the un-permute let
+    the next kernel launch at their start, and those the chain lets overlap the kernel before
+    them load before they wait."""
     device = torch.device("cuda", torch.cuda.current_device())
     if not hardware.pdl_supported(device):
         pytest.skip("PDL needs SM90 or later; this GPU launches without it")
@@ -44,10 +45,12 @@ def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
                scales.amax_partial_kernel, nvfp4.nvfp4_quantize_kernel,
                permute._permute_single_kernel, gather._gather_rows_kernel,
                gather._unpermute_and_reduce_kernel)
+    early = (scales.amax_partial_kernel, nvfp4.nvfp4_quantize_kernel,
+             permute._permute_single_kernel)
     for kernel in kernels:
         kernel.device_caches[device.index][0].clear()
     shape = dict(payload="nvfp4", ep_size=1, tokens=16, **DEEPSEEK_R1)
-    DecodeChain(triton_steps(), decode_inputs(shape, device), shape)()
+    DecodeChain(triton_steps(overlap_previous=True), decode_inputs(shape, device), shape)()
     torch.cuda.synchronize(device)
     for kernel in kernels:
         variants = list(kernel.device_caches[device.index][0].values())
@@ -60,3 +63,8 @@ def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
             launches_next = "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
             assert launches_next == (kernel is not gather._unpermute_and_reduce_kernel), \
                 kernel.__name__
+            # the amax pass and the permutation (overlap_previous) and the quantize (after
+            # the op's own amax pass) load before they wait; every other kernel waits first
+            ptx = compiled.asm["ptx"]
+            loads_first = 0 <= ptx.find("ld.global") < ptx.find("griddepcontrol.wait")
+            assert loads_first == (kernel in early), kernel.__name__
