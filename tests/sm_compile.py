@@ -40,6 +40,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+from tests.support import pdl_order  # noqa: E402
+
 
 def install_compile_only(arch: int) -> list[str]:
     """Replace JITFunction.run: compile each distinct launch for ``cuda:<arch>``, launch
@@ -71,18 +73,15 @@ def install_compile_only(arch: int) -> list[str]:
                                 options=options.__dict__)
         values = {self.params[path[0]].name: value for path, value in constexprs.items()
                   if len(path) == 1}
-        next_launch = ""
+        order = ""
         if values.get("PDL"):
             if "griddepcontrol.wait" not in kernel.asm["ptx"]:
                 raise AssertionError(f"{self.__name__}: PDL=True but no griddepcontrol.wait")
-            # where the kernel lets the next one launch: at its start, or as it exits
-            next_launch = (" next:start" if "griddepcontrol.launch_dependents"
-                           in kernel.asm["ptx"] else " next:exit")
-            first_load = kernel.asm["ptx"].find("ld.global")
-            before = 0 <= first_load < kernel.asm["ptx"].find("griddepcontrol.wait")
-            next_launch += " reads:before-wait" if before else " reads:after-wait"
+            launches_next, loads_first = pdl_order(kernel.asm["ptx"])
+            order = (f" next:{'start' if launches_next else 'exit'}"
+                     f" reads:{'before' if loads_first else 'after'}-wait")
         compiled.append(f"{self.__name__} sm_{arch} {len(kernel.asm['cubin'])} B cubin "
-                        f"{time.time() - start:.1f} s{next_launch} {values}")
+                        f"{time.time() - start:.1f} s{order} {values}")
         print(compiled[-1], flush=True)
         return None
 

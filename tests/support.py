@@ -24,6 +24,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, **kwargs) -> None
     torch.testing.assert_close(actual, expected, **{**TOLERANCES[expected.dtype], **kwargs})
 
 
+def pdl_order(ptx: str) -> tuple[bool, bool]:
+    """Where a kernel built with ``PDL`` stands against the kernels around it, read from its
+    PTX: (whether it signals ``launch_dependents``, i.e. lets the next kernel launch at its
+    start rather than as it exits; whether a global load comes before its
+    ``griddepcontrol.wait``, i.e. it reads while the kernel before it may still run)."""
+    first_load = ptx.find("ld.global")
+    return ("griddepcontrol.launch_dependents" in ptx,
+            0 <= first_load < ptx.find("griddepcontrol.wait"))
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

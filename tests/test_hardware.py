@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import hardware
+from tests.support import pdl_order
 
 CPU = torch.device("cpu")
 
@@ -58,13 +59,11 @@ def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
         for compiled in variants:
             assert compiled.metadata.launch_pdl, kernel.__name__
             assert "griddepcontrol.wait" in compiled.asm["ptx"], kernel.__name__
+            launches_next, loads_first = pdl_order(compiled.asm["ptx"])
             # every kernel lets the next one launch at its start but the un-permute, which
             # lets it launch as it exits (kernels.hardware)
-            launches_next = "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
             assert launches_next == (kernel is not gather._unpermute_and_reduce_kernel), \
                 kernel.__name__
             # the amax pass and the permutation (overlap_previous) and the quantize (after
             # the op's own amax pass) load before they wait; every other kernel waits first
-            ptx = compiled.asm["ptx"]
-            loads_first = 0 <= ptx.find("ld.global") < ptx.find("griddepcontrol.wait")
             assert loads_first == (kernel in early), kernel.__name__
