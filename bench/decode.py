@@ -37,9 +37,10 @@ graph captures the whole chain),
 Inductor launches the registered ops' kernels itself; timed by eager calls, GPU only),
 ``triton_compiled_graph`` (that compiled chain captured and replayed as one CUDA graph, as a
 serving engine runs a compiled decode step; GPU only),
-``triton_overlap`` (the ``triton`` row's ops with the steps that do not depend on each other
-on streams of their own, :func:`run_chain_overlapped`: the graph holds the chain's
-dependencies, not one line of launches; GPU only),
+``triton_overlap`` (the ``triton`` row's ops with the quantize and the plan on streams of
+their own beside the critical path route, permute, gather, unpermute,
+:func:`run_chain_overlapped`: the graph holds a step's dependencies, not one line of launches;
+GPU only),
 ``flashinfer_routing`` (the same chain with FlashInfer's ``fused_topk_deepseek`` as the routing
 step: the one piece FlashInfer has on SM90), ``flashinfer`` (n/a: FlashInfer has no standalone
 permutation, no global-scale op and, below SM100, no NVFP4 quantizer) and ``torch`` (the oracle,
@@ -98,7 +99,7 @@ ROUTING_METHOD = "deepseek_v3"
 # and captured and replayed as one CUDA graph.
 COMPILED_BACKEND = "triton_compiled"
 COMPILED_GRAPH_BACKEND = "triton_compiled_graph"
-# The row of the same chain with its independent steps on streams of their own
+# The row of the same chain with the steps off its critical path on streams of their own
 # (OverlappedChain).
 OVERLAP_BACKEND = "triton_overlap"
 # The token counts whose chain time has a target (bench/targets.py).
@@ -221,48 +222,50 @@ def run_chain(steps: ChainSteps, shape: dict, logits: torch.Tensor, bias: torch.
 def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
                          bias: torch.Tensor, x: torch.Tensor, expert_out: torch.Tensor,
                          streams: tuple) -> DecodeOutputs:
-    """:func:`run_chain` with the steps that do not depend on each other on streams of their
-    own, so that a CUDA graph captured from it holds the chain's real dependencies instead of
-    one line of launches:
+    """:func:`run_chain` with the steps that the critical path does not wait for on streams of
+    their own, so that a CUDA graph captured from it holds the dependencies of a real step
+    instead of one line of launches:
 
-        streams[0] (the critical path):  route -> permute -> unpermute
-        streams[1]:  global scale + quantize -> (after permute) gather    (payload nvfp4)
-        streams[2]:  (after route) local send plan -> (after permute) gather    (bf16)
+        streams[0] (the critical path):  route -> permute -> gather -> unpermute
+        streams[1]:  global scale + quantize    (payload nvfp4: the gather waits for it)
+        streams[2]:  (after route) local send plan
 
-    The steps are enqueued in the order they can start, alternating between the streams
-    (route, global scale + quantize, permute, plan, unpermute, gather); the graph need not run
-    its independent branches in that order (docs/design.md, "The decode step's launches"). The
-    critical path and the plan (one program) run at the highest stream priority. Every
-    stream starts after everything queued on the current stream (a call never overlaps the
-    previous call's uses of its buffers) and the current stream waits for all three at the
-    end: the call is joined, as graph capture requires. The same ops on the same inputs: the
-    same outputs as :func:`run_chain`."""
+    The gather and the un-permute stay in that order on one stream although the bench's
+    un-permute reads the fixed ``expert_out`` and not the gathered rows: in a step the expert
+    GEMMs read the gathered rows and write what the un-permute reads, so the un-permute cannot
+    start before the gather has finished. (A graph that let the two run side by side would time
+    a step no engine can run.) The steps are enqueued in the order they can start (route,
+    global scale + quantize, permute, plan, gather, unpermute); the graph need not run its
+    independent branches in that order (docs/design.md, "The decode step's launches"). The
+    critical path and the plan (one program) run at the highest stream priority. Every stream
+    starts after everything queued on the current stream (a call never overlaps the previous
+    call's uses of its buffers) and the current stream waits for all three at the end: the call
+    is joined, as graph capture requires. The same ops on the same inputs: the same outputs as
+    :func:`run_chain`."""
     critical, quant_stream, plan_stream = streams
     current = torch.cuda.current_stream(x.device)
     k, experts = shape["top_k"], shape["experts"]
     for stream in streams:
         stream.wait_stream(current)
-    routed, permuted = torch.cuda.Event(), torch.cuda.Event()
+    routed, quantized = torch.cuda.Event(), torch.cuda.Event()
     with torch.cuda.stream(critical):
         topk_ids, topk_weights = steps.route(logits, k, ROUTING_METHOD, **routing_options(bias))
         routed.record(critical)
     with torch.cuda.stream(quant_stream):
         packed, scales, global_scale = steps.quantize(x)
+        quantized.record(quant_stream)
     with torch.cuda.stream(critical):
         permutation = steps.permute(topk_ids, experts)
-        permuted.record(critical)
     with torch.cuda.stream(plan_stream):
         plan_stream.wait_event(routed)
         plan = steps.plan(topk_ids, experts, shape["ep_size"],
                           max_tokens_per_rank=shape["tokens"])
     with torch.cuda.stream(critical):
-        out = steps.unpermute(expert_out, permutation, topk_weights)
-    # the NVFP4 rows after the quantize, on its stream; the bf16 rows read x alone: after the
-    # plan, not behind the quantize
-    gather_stream = quant_stream if shape["payload"] == "nvfp4" else plan_stream
-    with torch.cuda.stream(gather_stream):
-        gather_stream.wait_event(permuted)
+        # the NVFP4 rows exist once the quantize has run; the bf16 rows read x alone
+        if shape["payload"] == "nvfp4":
+            critical.wait_event(quantized)
         gathered = gather_payload(steps, shape, x, packed, scales, permutation)
+        out = steps.unpermute(expert_out, permutation, topk_weights)
     for stream in streams:
         current.wait_stream(stream)
     return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
@@ -611,9 +614,9 @@ def decode_paths(inputs: dict, shape: dict, ctx) -> list[Path]:
                        "timed: the whole chain, Triton, check_ids/check_values=False, the "
                        "quantize and the permutation with overlap_previous=True"),
             chain_path(OVERLAP_BACKEND, "triton",
-                       "timed: the triton row's ops, the steps that do not depend on each other "
-                       "on streams of their own (route, permute, unpermute; quantize and the "
-                       "NVFP4 gather; the plan and the bf16 gather), one CUDA graph",
+                       "timed: the triton row's ops, the quantize and the plan on streams of "
+                       "their own beside the critical path (route, permute, gather, unpermute; "
+                       "the NVFP4 gather waits for the quantize), one CUDA graph",
                        overlapped=True),
             chain_path(COMPILED_BACKEND, "triton",
                        "timed: the triton row's chain under torch.compile(fullgraph=True), "
