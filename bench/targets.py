@@ -141,7 +141,8 @@ TARGETS = (
 ) + tuple(
     # The decode chain (bench/decode.py), both payloads. T=2048's bound is the chain's time
     # (bf16 payload) when the stage was added: no slower than before.
-    # The same bounds for the chain with its independent steps overlapped on side streams.
+    # The same bounds for the chain with the quantize and the plan on side streams beside its
+    # critical path (route, permute, gather, unpermute).
     Target("decode", dict(tokens=t, hidden=7168, experts=256, top_k=8), "max_us", bound,
            f"decode chain{what} T={t} E=256 k=8 H=7168 <= {bound:g} us{why}", backend=backend)
     for t, bound, why in ((16, 12.0, ""), (64, 15.0, ""), (256, 25.0, ""),
