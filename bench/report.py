@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from bench.targets import VERDICTS, judge_targets
+
 INTERPRETER_WARNING = ("NO GPU: Triton kernels ran in the interpreter on tiny shapes; the outputs "
                        "are checked, the timings MEAN NOTHING.")
 # Columns of the terminal output.
@@ -116,8 +118,7 @@ def table_rows(records: list[dict], with_targets: bool) -> tuple[list[str], list
                _fmt(r.get("speedup_vs_flashinfer"), ".2f"), _fmt(r.get("speedup_vs_torch"), ".2f")]
         if with_targets:
             passed = r.get("target_pass", "absent")
-            row.append("" if passed == "absent" else
-                       f"{ {True: 'PASS', False: 'FAIL', None: 'not run'}[passed]}: {r['target']}")
+            row.append("" if passed == "absent" else f"{VERDICTS[passed]}: {r['target']}")
         row.append(r["note"])
         rows.append(row)
     return header, rows
@@ -132,7 +133,7 @@ def _us(value: Optional[float]) -> str:
 
 def _verdict(record: dict) -> str:
     passed = record.get("target_pass", "absent")
-    return "" if passed == "absent" else {True: "PASS", False: "FAIL", None: "not run"}[passed]
+    return "" if passed == "absent" else VERDICTS[passed]
 
 
 def _cut(text: str, width: int) -> str:
@@ -255,7 +256,7 @@ def _target_lines(records: list[dict], width: int) -> list[str]:
     judged = [r for r in records if _verdict(r)]
     if not judged:
         return ["targets: no row of this run has a stated target"]
-    counts = {v: sum(_verdict(r) == v for r in judged) for v in ("PASS", "FAIL", "not run")}
+    counts = {v: sum(_verdict(r) == v for r in judged) for v in VERDICTS.values()}
     lines = ["targets: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)]
     for r in judged:  # wrapped, not cut: the target's text says what passed or failed
         lines += textwrap.wrap(f"{_verdict(r):<7}  {r['stage']} {_shape_text(r['shape'])} "
@@ -469,8 +470,7 @@ def format_headline(results: list[dict]) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for r in _headline_records(records, meta["num_gpus"]):
             passed = r.get("target_pass", "absent")
-            verdict = "" if passed == "absent" else \
-                f"{ {True: 'PASS', False: 'FAIL', None: 'not run'}[passed]}: {r['target']}"
+            verdict = "" if passed == "absent" else f"{VERDICTS[passed]}: {r['target']}"
             lines.append("| " + " | ".join([
                 r["stage"], _shape_text(r["shape"]), r["backend"], _ok(r),
                 _fmt(r["time_us"], ".1f"), _fmt(r["gbps"], ".0f"),
@@ -483,7 +483,6 @@ def update_readme(readme_path: str, result_paths: list[str]) -> None:
     """Replace the README's headline section (between ``README_START`` and ``README_END``)
     with ``format_headline`` of the given result JSON files, their measured rows judged
     against the current targets (``bench.targets``)."""
-    from bench.targets import judge_targets
     results = []
     for path in result_paths:
         with open(path) as f:

@@ -3,12 +3,25 @@
 Each target names a stage, the shape entries it applies to and a bound on the ``triton`` row.
 The shapes are added to the sweep as explicit extra shapes (``Stage.extra`` in bench/stages.py),
 so a full run always has a row to judge.
+
+The absolute bounds (:data:`ABSOLUTE_KINDS`: a time, a bandwidth) were set on the project's GPU,
+an H200 (:data:`BOUNDS_GPU`), and only a row timed on one is judged against them; on another GPU
+(an H100 has about 70% of its memory bandwidth) the verdict is "not judged" and the target's
+text says why. A bound relative to another row of the same run (FlashInfer's, another
+backend's) is judged on any GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+# The GPU the absolute bounds were set on (a substring of the rows' "gpu", e.g. "NVIDIA H200").
+BOUNDS_GPU = "H200"
+# The kinds of target whose bound is a number of this GPU, not a ratio to another row of the run.
+ABSOLUTE_KINDS = ("max_us", "min_gbps", "max_us_with_partner")
+# The verdict of a row, by its ``target_pass``.
+VERDICTS = {True: "PASS", False: "FAIL", None: "not judged"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,12 @@ class Target:
     backend: str = "triton"
     partner: Optional[tuple] = None
     versus: str = ""
+
+    def judged_on(self, gpu: Optional[str]) -> bool:
+        """Whether a row timed on ``gpu`` (its name; None: not recorded) is judged against this
+        target: everywhere for a bound relative to another row, on :data:`BOUNDS_GPU` (or
+        where the GPU is not recorded) for an absolute one."""
+        return self.kind not in ABSOLUTE_KINDS or gpu is None or BOUNDS_GPU in gpu
 
     def applies(self, record: dict) -> bool:
         return (record["stage"] == self.stage and record["backend"] == self.backend
@@ -172,15 +191,21 @@ TARGETS = (
 def judge_targets(records: list[dict]) -> None:
     """Set ``target`` (the stated texts, joined by "; ") and ``target_pass`` on every record a
     target applies to: False if one fails, else None if one could not be judged (untimed row or
-    twin), else True. Records no current target applies to lose both (a result file read
-    again, e.g. by --readme-from, may carry verdicts of older targets)."""
+    twin, or an absolute bound and a row timed on another GPU than :data:`BOUNDS_GPU`, whose
+    text then says so), else True. Records no current target applies to lose both (a result
+    file read again, e.g. by --readme-from, may carry verdicts of older targets)."""
     for record in records:
         hits = [target for target in TARGETS if target.applies(record)]
         if not hits:
             record.pop("target", None)
             record.pop("target_pass", None)
             continue
-        verdicts = [target.judge(record, records) for target in hits]
-        record["target"] = "; ".join(target.text for target in hits)
+        here = [target.judged_on(record.get("gpu")) for target in hits]
+        verdicts = [target.judge(record, records) if judged else None
+                    for target, judged in zip(hits, here)]
+        record["target"] = "; ".join(
+            target.text + ("" if judged else f" (a bound for an {BOUNDS_GPU}: not judged on "
+                                             f"{record['gpu']})")
+            for target, judged in zip(hits, here))
         record["target_pass"] = (False if False in verdicts else
                                  None if None in verdicts else True)

@@ -409,6 +409,32 @@ def test_targets_pass_and_fail():
     assert "target" not in stale and "target_pass" not in stale
 
 
+def test_absolute_bounds_judged_on_their_gpu_only():
+    """A time bound set on the H200 is judged on rows timed on an H200 (or of no recorded GPU)
+    and not judged elsewhere, with the reason in the text; a bound relative to FlashInfer's
+    row of the same run is judged on any GPU. The terminal table says "not judged"."""
+    def quantize(time_us, gpu):
+        return dict(stage="quantize", backend="triton", time_us=time_us, gbps=None, gpu=gpu,
+                    shape=dict(op="nvfp4_linear", tokens=8192, hidden=7168))
+    on_h200, on_h100 = quantize(41.0, "NVIDIA H200"), quantize(41.0, "NVIDIA H100 80GB HBM3")
+    judge_targets([on_h200, on_h100])
+    assert on_h200["target_pass"] is False and "not judged" not in on_h200["target"]
+    assert on_h100["target_pass"] is None
+    assert on_h100["target"].endswith("(a bound for an H200: not judged on NVIDIA H100 80GB "
+                                      "HBM3)"), on_h100["target"]
+    routing = [dict(stage="routing", backend=b, time_us=t, gbps=None, gpu="NVIDIA H100 80GB HBM3",
+                    shape=dict(method="deepseek_v3", tokens=8192, experts=256, top_k=8,
+                               routing="uniform")) for b, t in (("triton", 9.0),
+                                                                ("flashinfer", 10.0))]
+    judge_targets(routing)
+    assert routing[0]["target_pass"] is False  # 9 > 0.8 * 10, on any GPU
+    assert "not judged" not in routing[0]["target"]
+    on_h100.update(note="", bytes=1, p20_us=41.0, p80_us=41.0, pct_of_limit=None,
+                   remote_bytes=0, ok=True)
+    header, rows = report.table_rows([on_h100], with_targets=True)
+    assert rows[0][header.index("target")].startswith("not judged: NVFP4 [8192,7168]")
+
+
 def test_transport_targets_pair_sum_and_best_flashinfer():
     """dispatch + combine at T=16 judged on their sum; every dispatch/combine row against the
     faster of FlashInfer's two transports; a row under several targets fails if one does."""
