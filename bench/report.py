@@ -25,6 +25,9 @@ import torch
 
 from bench.targets import VERDICTS, judge_targets
 
+# The verdicts' column in the terminal's list of targets.
+VERDICT_WIDTH = max(len(v) for v in VERDICTS.values())
+
 INTERPRETER_WARNING = ("NO GPU: Triton kernels ran in the interpreter on tiny shapes; the outputs "
                        "are checked, the timings MEAN NOTHING.")
 # Columns of the terminal output.
@@ -259,9 +262,10 @@ def _target_lines(records: list[dict], width: int) -> list[str]:
     counts = {v: sum(_verdict(r) == v for r in judged) for v in VERDICTS.values()}
     lines = ["targets: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)]
     for r in judged:  # wrapped, not cut: the target's text says what passed or failed
-        lines += textwrap.wrap(f"{_verdict(r):<7}  {r['stage']} {_shape_text(r['shape'])} "
+        lines += textwrap.wrap(f"{_verdict(r):<{VERDICT_WIDTH}}  {r['stage']} "
+                               f"{_shape_text(r['shape'])} "
                                f"{r['backend']} {_us(r['time_us'])} us: {r['target']}", width,
-                               initial_indent="  ", subsequent_indent=" " * 11)
+                               initial_indent="  ", subsequent_indent=" " * (VERDICT_WIDTH + 4))
     return lines
 
 
