@@ -5,10 +5,10 @@ The shapes are added to the sweep as explicit extra shapes (``Stage.extra`` in b
 so a full run always has a row to judge.
 
 The absolute bounds (:data:`ABSOLUTE_KINDS`: a time, a bandwidth) were set on the project's GPU,
-an H200 (:data:`BOUNDS_GPU`), and only a row timed on one is judged against them; on another GPU
-(an H100 has about 70% of its memory bandwidth) the verdict is "not judged" and the target's
-text says why. A bound relative to another row of the same run (FlashInfer's, another
-backend's) is judged on any GPU.
+an H200 (:data:`BOUNDS_GPU`), and only a row timed on one is judged against them: on another GPU
+(an H100, with less memory bandwidth) the verdict is "not judged" and the target's text says
+why. A bound relative to another row of the same run (FlashInfer's, another backend's) is
+judged on any GPU.
 """
 
 from __future__ import annotations
