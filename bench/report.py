@@ -120,8 +120,7 @@ def table_rows(records: list[dict], with_targets: bool) -> tuple[list[str], list
                f"{r['bytes']:,}{remote}", _fmt(r["gbps"], ".0f"), _fmt(r["pct_of_limit"], ".0f"),
                _fmt(r.get("speedup_vs_flashinfer"), ".2f"), _fmt(r.get("speedup_vs_torch"), ".2f")]
         if with_targets:
-            passed = r.get("target_pass", "absent")
-            row.append("" if passed == "absent" else f"{VERDICTS[passed]}: {r['target']}")
+            row.append(_verdict_and_target(r))
         row.append(r["note"])
         rows.append(row)
     return header, rows
@@ -137,6 +136,12 @@ def _us(value: Optional[float]) -> str:
 def _verdict(record: dict) -> str:
     passed = record.get("target_pass", "absent")
     return "" if passed == "absent" else VERDICTS[passed]
+
+
+def _verdict_and_target(record: dict) -> str:
+    """"VERDICT: the targets' text" for a row a target applies to, else ""."""
+    verdict = _verdict(record)
+    return f"{verdict}: {record['target']}" if verdict else ""
 
 
 def _cut(text: str, width: int) -> str:
@@ -473,8 +478,7 @@ def format_headline(results: list[dict]) -> str:
                   "| stage | shape | backend | ok | time us | GB/s | x FI | target |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in _headline_records(records, meta["num_gpus"]):
-            passed = r.get("target_pass", "absent")
-            verdict = "" if passed == "absent" else f"{VERDICTS[passed]}: {r['target']}"
+            verdict = _verdict_and_target(r)
             lines.append("| " + " | ".join([
                 r["stage"], _shape_text(r["shape"]), r["backend"], _ok(r),
                 _fmt(r["time_us"], ".1f"), _fmt(r["gbps"], ".0f"),
