@@ -11,6 +11,7 @@ A local expert step on a rank that owns experts ``[first, first + E_local)``::
     perm = permute_by_expert(recv_expert_ids, num_experts, first_expert=first,
                              num_local_experts=E_local, align=128)
     rows = gather_rows(recv_x, perm)                                        # [P, H]
+    # (or both in one call: perm, rows = permute_and_gather(recv_expert_ids, recv_x, ...))
     expert_out = grouped_gemm(rows, perm.expert_offsets)                    # the user's
     out = unpermute_and_reduce(expert_out, perm, recv_weights)             # [T, H]
 """
@@ -100,6 +101,29 @@ def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
     else:
         run = reference.gather_rows
     return run(x, rows, scales=scales, top_k=top_k, check_values=check_values)
+
+
+def permute_and_gather(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int, *,
+                       scales: Optional[torch.Tensor] = None, first_expert: int = 0,
+                       num_local_experts: Optional[int] = None, align: int = 1,
+                       check_ids: bool = True, overlap_previous: bool = False,
+                       backend: Optional[str] = None) -> tuple:
+    """:func:`permute_by_expert` and :func:`gather_rows` of ``x`` (and ``scales``) through the
+    permutation, fused: on "triton" a decode batch's permutation moves the rows in its own
+    launch (``kernels.permute.permute_and_gather``). Arguments as for the two functions;
+    ``overlap_previous`` promises what it promises for :func:`permute_by_expert` (x and
+    scales are read after the wait in any case).
+
+    Returns ``(permutation, out)``, or ``(permutation, out, out_scales)`` with ``scales``:
+    what ``permute_by_expert`` and ``gather_rows(x, permutation, scales=scales)`` return, the
+    same buffers and bytes on both backends."""
+    options = dict(scales=scales, first_expert=first_expert,
+                   num_local_experts=num_local_experts, align=align, check_ids=check_ids)
+    if _resolve(backend, topk_ids, "topk_ids") == "triton":
+        from kernels.permute import PermuteLaunch, permute_and_gather
+        return permute_and_gather(topk_ids, x, num_experts, **options,
+                                  launch=PermuteLaunch(overlap_previous=overlap_previous))
+    return reference.permute_and_gather(topk_ids, x, num_experts, **options)
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,

@@ -27,6 +27,7 @@ functions (bench/stages.py says why).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -119,6 +120,16 @@ def op_call(name: str, device: torch.device, tokens: int, hidden: int, experts: 
         return OpCall(args, args,
                       lambda: G.gather_rows(packed, perm, scales=scales, check_values=False),
                       lambda: reference.gather_rows(packed, perm, scales=scales), 2)
+    if name == "permute_and_gather":
+        args = (ids, packed, scales, experts, 0, experts, 1)
+        perm_gather = functools.partial(PM.permute_and_gather, ids, packed, experts,
+                                        scales=scales)
+        # (the public function's (permutation, out, out_scales) as the op orders them)
+        return OpCall(args + config_fields(PM.DEFAULT_PERMUTE) + config_fields(PM.DEFAULT_GATHER),
+                      args,
+                      lambda: _gathered_first(perm_gather(check_ids=False)),
+                      lambda: _gathered_first(reference.permute_and_gather(ids, packed, experts,
+                                                                           scales=scales)), 6)
     if name == "unpermute_and_reduce":
         expert_out = _randn(g, tokens * top_k, hidden, dtype=torch.bfloat16, device=device)
         args = (expert_out, perm.inverse, weights)
@@ -186,6 +197,11 @@ def op_call(name: str, device: torch.device, tokens: int, hidden: int, experts: 
         return OpCall(args, args, lambda: Q.unswizzle_scales(*args),
                       lambda: reference.unswizzle_scales(*args), 1)
     raise ValueError(f"no call of op {name!r}")
+
+
+def _gathered_first(result: tuple) -> tuple:
+    """``permute_and_gather``'s (permutation, rows...) as its op orders them: rows first."""
+    return (*result[1:], result[0])
 
 
 def tensors_of(result) -> tuple:

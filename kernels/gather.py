@@ -72,7 +72,7 @@ GATHER_TILE_WORDS = 4096
 GATHER_TILE_WORDS_PER_ROW = 512
 
 
-def _word_dtype(t: torch.Tensor) -> torch.dtype:
+def word_dtype(t: torch.Tensor) -> torch.dtype:
     """The widest of int32/int16/uint8 that divides both the row size and the offset of the
     contiguous 2-D tensor ``t`` in bytes (4-byte words give 16-byte vectors of 4)."""
     row_bytes = t.shape[1] * t.element_size()
@@ -83,7 +83,7 @@ def _word_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
-def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+def as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     """The contiguous 2-D ``t`` viewed as [rows, row bytes / word size] ``word``s."""
     row_words = t.shape[1] * t.element_size() // word.itemsize
     # flat first: a contiguous tensor with a size-1 dim may carry any stride there
@@ -100,10 +100,10 @@ def _launch_gather(tables: list[torch.Tensor], rows: torch.Tensor, top_k: int,
             for t in tables]
     if rows.numel() == 0 or not any(o.numel() for o in outs):
         return outs
-    words = [_word_dtype(t) for t in tables]
+    words = [word_dtype(t) for t in tables]
     if len(tables) == 2 and words[0] != words[1]:
         return [_launch_gather([t], rows, top_k, traced)[0] for t in tables]
-    table_words = [_as_words(t, words[0]) for t in tables]
+    table_words = [as_words(t, words[0]) for t in tables]
     out_words = [o.view(torch.uint8).view(words[0]) for o in outs]
     widths = [int(t.shape[1]) for t in table_words]  # static: a traced width is specialised
     # the tile from the first row width (static), the grid from the row count

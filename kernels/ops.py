@@ -9,6 +9,7 @@ op                         public functions (kernels / a2a stage)
 ``local_send_plan``        ``kernels.prepare.local_send_plan``
 ``permute_by_expert``      ``kernels.permute.permute_by_expert``, ``a2a.permute...``
 ``gather_rows``            ``kernels.gather.gather_rows``, ``a2a.permute.gather_rows``
+``permute_and_gather``     the two above in one op (``kernels.permute...``, ``a2a.permute...``)
 ``unpermute_and_reduce``   ``kernels.gather.unpermute_and_reduce``, ``a2a.permute...``
 ``nvfp4_global_scale``     ``kernels.quantize.nvfp4_global_scale``, ``a2a.quantize...``
 ``quantize_nvfp4``         ``kernels.quantize.quantize_nvfp4`` (``a2a.quantize...``)
@@ -31,7 +32,7 @@ from kernels.library import REGISTERED, RegisteredOp
 
 # The registered ops by name, in the order of the table above.
 OP_NAMES = ("route_topk", "local_send_plan", "permute_by_expert", "gather_rows",
-            "unpermute_and_reduce", "nvfp4_global_scale", "quantize_nvfp4",
+            "permute_and_gather", "unpermute_and_reduce", "nvfp4_global_scale", "quantize_nvfp4",
             "quantize_nvfp4_out", "scale_and_quantize_nvfp4", "quantize_mxfp8",
             "quantize_mxfp4", "dequantize_nvfp4", "dequantize_mxfp8", "dequantize_mxfp4",
             "swizzle_scales", "unswizzle_scales")

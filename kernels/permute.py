@@ -27,7 +27,9 @@ from torch.library import wrap_triton
 from kernels import library, reference
 from kernels.hardware import grid_dependency, grid_dependency_prologue
 from kernels.sizes import cdiv, next_power_of_2
-from kernels.spec.permute import check_permute_inputs, permutation_capacity
+from kernels.gather import _launch_gather, as_words, word_dtype
+from kernels.spec.permute import (check_permute_and_gather_inputs, check_permute_inputs,
+                                  permutation_capacity)
 from kernels.spec.tensors import check_expert_ids
 from kernels.spec.values import read_to_host
 from kernels.types import UNUSED, Permutation
@@ -143,6 +145,65 @@ ONEHOT_PERMUTE = PermuteLaunch(form="three_pass", place_rank=RANK_ONEHOT, block_
                                scan_blocks=128, expert_chunk=32)
 
 
+@dataclass(frozen=True)
+class GatherLaunch:
+    """Launch of :func:`permute_and_gather`'s row copies in the one-launch form (the
+    three-pass form's batches run :func:`permute_by_expert`, then ``kernels.gather``'s own
+    launch).
+
+    slice_pairs: pairs placed by each program, whose rows it then copies (a power of two);
+        None: the rule, T*k / ``programs`` rounded up to a power of two, kept in [2, 16].
+        Fewer pairs per program give the copies more programs; every program still reads all
+        T*k ids (a few KB from L2) and compares its slice with them. On an H100 (the lent
+        GPU), E=256 k=8 H=7168, the fused op alone over slices 2 to 16: 2 was the fastest at
+        T=16 and 64 (bf16 and NVFP4 rows), 4 and 8 within 3% of each other at T=256 (bf16
+        4, NVFP4 8), 16 the slowest everywhere; the rule gives 2, 2 and 8.
+    programs: the rule's programs (about two per SM).
+    warps: the least warps per program (the permutation's own rule may give more): 4 and 8
+        were within a few % of each other in that run, 8 ahead at T=256.
+    Each copy step moves a [slice_pairs, ROW_TILE] tile, ROW_TILE the row's words rounded up
+    to a power of two, at most ROW_WORDS_PER_THREAD words per thread.
+    """
+
+    slice_pairs: Optional[int] = None
+    programs: int = 256
+    warps: int = 8
+
+    def slice_for(self, num_pairs) -> int:
+        """The pairs per program for ``num_pairs`` = T*k (an int; a symbolic size while traced
+        with dynamic shapes takes the largest slice, static)."""
+        if self.slice_pairs is not None:
+            return self.slice_pairs
+        if isinstance(num_pairs, torch.SymInt):
+            return MAX_GATHER_SLICE
+        return max(MIN_GATHER_SLICE,
+                   min(MAX_GATHER_SLICE, next_power_of_2(cdiv(num_pairs, self.programs))))
+
+
+DEFAULT_GATHER = GatherLaunch()
+# The bounds of GatherLaunch's rule for the pairs per program.
+MIN_GATHER_SLICE, MAX_GATHER_SLICE = 2, 16
+# Words of a row tile per thread in permute_and_gather's copies (4-byte words: 128 bytes).
+ROW_WORDS_PER_THREAD = 32
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """The row tables of one :func:`permute_and_gather` launch (the launchers' argument):
+    each table and its output as contiguous 2-D views of words, their widths in words."""
+
+    tables: tuple
+    outs: tuple
+    widths: tuple
+    launch: GatherLaunch
+
+    def row_tile(self, slice_pairs: int, warps: int) -> int:
+        """Words of a row per copy step: the widest row rounded up to a power of two, at most
+        ROW_WORDS_PER_THREAD words per thread over the slice's rows."""
+        most = max(1, ROW_WORDS_PER_THREAD * 32 * warps // slice_pairs)
+        return max(1, min(next_power_of_2(max(max(self.widths), 1)), most))
+
+
 def histogram_bins(num_local_experts: int) -> int:
     """Bins of the expert histograms: E_local rounded up to a power of two, at least 32."""
     return max(MIN_HISTOGRAM_BINS, next_power_of_2(num_local_experts))
@@ -174,13 +235,40 @@ def histogram_bins(num_local_experts: int) -> int:
 
 
 @triton.jit
+def _copy_rows(table_ptr, out_ptr, tokens, places, ok, width, ROW_TILE: tl.constexpr):
+    """``out[places[i], :] = table[tokens[i], :]`` for every i with ``ok[i]`` (int64 row
+    indices; rows of ``width`` elements), ROW_TILE elements of each row at a time."""
+    start = 0
+    while start < width:
+        cols = start + tl.arange(0, ROW_TILE)
+        mask = ok[:, None] & (cols[None, :] < width)
+        values = tl.load(table_ptr + tokens[:, None] * width + cols[None, :], mask=mask)
+        tl.store(out_ptr + places[:, None] * width + cols[None, :], values, mask=mask)
+        start += ROW_TILE
+
+
+@triton.jit
+def _zero_rows(out_ptr, rows, which, width, ROW_TILE: tl.constexpr):
+    """Zeros into the rows ``rows[i]`` (int64) of ``out`` with ``which[i]``."""
+    start = 0
+    while start < width:
+        cols = start + tl.arange(0, ROW_TILE)
+        tl.store(out_ptr + rows[:, None] * width + cols[None, :],
+                 tl.zeros([rows.shape[0], ROW_TILE], out_ptr.dtype.element_ty),
+                 mask=which[:, None] & (cols[None, :] < width))
+        start += ROW_TILE
+
+
+@triton.jit
 def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
                            expert_offsets_ptr, inverse_ptr, id_range_ptr, num_pairs, capacity,
                            first_expert, num_local_experts, align,
+                           table_ptr, out_ptr, table2_ptr, out2_ptr, top_k, width, width2,
                            CHUNK: tl.constexpr, SLICE: tl.constexpr, BINS: tl.constexpr,
                            FILL_EXPERTS: tl.constexpr, ALIGN_TILE: tl.constexpr,
                            TAIL_BLOCK: tl.constexpr, OVERLAP_PREVIOUS: tl.constexpr,
-                           PDL: tl.constexpr):
+                           TABLES: tl.constexpr, ROW_TILE: tl.constexpr,
+                           ZERO_ROWS: tl.constexpr, PDL: tl.constexpr):
     if not OVERLAP_PREVIOUS:
         grid_dependency_prologue(PDL)
     program = tl.program_id(0)
@@ -245,6 +333,13 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
             place += tl.gather(padding, tl.where(my_owned, my_local, 0), axis=0)
         tl.store(source_rows_ptr + place, mine, mask=my_owned)
         tl.store(inverse_ptr + mine, tl.where(my_owned, place, UNUSED_ENTRY), mask=mine_valid)
+        if TABLES > 0:  # permute_and_gather: the slice's rows of the tables to their places
+            tokens = tl.where(my_owned, mine // top_k, 0).to(tl.int64)
+            _copy_rows(table_ptr, out_ptr, tokens, place.to(tl.int64), my_owned, width,
+                       ROW_TILE)
+            if TABLES == 2:
+                _copy_rows(table2_ptr, out2_ptr, tokens, place.to(tl.int64), my_owned,
+                           width2, ROW_TILE)
 
     if ALIGN_TILE > 0:  # the padding inside the segments
         pad_starts = starts + counts
@@ -270,6 +365,30 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
         tl.store(source_rows_ptr + rows, tl.full([TAIL_BLOCK], UNUSED_ENTRY, tl.int32),
                  mask=rows < capacity)
         start += programs * TAIL_BLOCK
+
+    if TABLES > 0:  # permute_and_gather: a zero row of each table at every row no pair fills
+        # (the rows whose source_rows entry is UNUSED above), ZERO_ROWS rows at a time
+        if ALIGN_TILE > 0:
+            pad_ends = starts + padded
+            pad_from = starts + counts
+            first_row = 0               # padding inside the segments, then the tail
+        else:
+            first_row = used            # the tail only
+        start = first_row + program * ZERO_ROWS
+        while start < capacity:
+            rows = start + tl.arange(0, ZERO_ROWS)
+            empty = (rows < capacity) & (rows >= used)
+            if ALIGN_TILE > 0:
+                # the expert whose padded segment holds the row: ends <= row before it
+                segment = tl.sum((pad_ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+                in_range = segment < num_local_experts
+                segment_pad = tl.gather(pad_from, tl.where(in_range, segment, 0), axis=0)
+                empty = empty | (in_range & (rows >= segment_pad) & (rows < capacity))
+            if tl.max(empty.to(tl.int32), axis=0) > 0:
+                _zero_rows(out_ptr, rows.to(tl.int64), empty, width, ROW_TILE)
+                if TABLES == 2:
+                    _zero_rows(out2_ptr, rows.to(tl.int64), empty, width2, ROW_TILE)
+            start += programs * ZERO_ROWS
 
 
 # =============================================================================================
@@ -468,13 +587,27 @@ def single_tile(num_pairs, num_local_experts: int,
 
 def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range,
                    capacity, first_expert, num_local_experts, align, launch: PermuteLaunch,
-                   traced: bool):
+                   traced: bool, rows: Optional["RowCopy"] = None):
+    """The one-launch form; with ``rows`` (:func:`permute_and_gather`) its programs also copy
+    the rows of the tables to the places of their pairs and zero the rows no pair fills."""
     num_pairs = topk_ids.numel()
     if num_pairs * num_local_experts >= 2**30:
         raise ValueError(f"T*k={num_pairs} pairs over E_local={num_local_experts} experts are too "
                          f"many for the one-launch form's int32 keys; use "
                          f"PermuteLaunch(form='three_pass') or the default rule")
     chunk, slice_pairs, warps = single_tile(num_pairs, num_local_experts, launch)
+    gather = dict(table_ptr=source_rows, out_ptr=source_rows, table2_ptr=source_rows,
+                  out2_ptr=source_rows, top_k=1, width=0, width2=0, TABLES=0, ROW_TILE=1,
+                  ZERO_ROWS=1)
+    if rows is not None:
+        slice_pairs = rows.launch.slice_for(num_pairs)
+        warps = max(warps, rows.launch.warps)
+        second = len(rows.tables) - 1
+        gather = dict(table_ptr=rows.tables[0], out_ptr=rows.outs[0],
+                      table2_ptr=rows.tables[second], out2_ptr=rows.outs[second],
+                      top_k=topk_ids.shape[1], width=rows.widths[0], width2=rows.widths[second],
+                      TABLES=len(rows.tables), ROW_TILE=rows.row_tile(slice_pairs, warps),
+                      ZERO_ROWS=slice_pairs)
     programs = torch.sym_max(1 + cdiv(num_pairs, slice_pairs),
                              cdiv(capacity, launch.single_fill))
     # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no
@@ -485,8 +618,8 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
     kernel = wrap_triton(_permute_single_kernel) if traced else _permute_single_kernel
     kernel[(programs,)](
         topk_ids, source_rows, expert_counts, expert_offsets, inverse, id_range, num_pairs,
-        capacity, first_expert, num_local_experts, align, CHUNK=chunk, SLICE=slice_pairs,
-        BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
+        capacity, first_expert, num_local_experts, align, **gather, CHUNK=chunk,
+        SLICE=slice_pairs, BINS=histogram_bins(num_local_experts), FILL_EXPERTS=fill_experts,
         ALIGN_TILE=align_tile, TAIL_BLOCK=min(1024, next_power_of_2(launch.single_fill)),
         OVERLAP_PREVIOUS=launch.overlap_previous, num_warps=warps,
         **grid_dependency(topk_ids.device, traced))
@@ -651,3 +784,171 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
     return Permutation(source_rows=source_rows, expert_counts=expert_counts,
                        expert_offsets=expert_offsets, inverse=inverse,
                        top_k=topk_ids.shape[1], align=align)
+
+
+# =============================================================================================
+# permute_and_gather: the permutation and the row gather in one launch
+# =============================================================================================
+
+def _check_gather_launch(gather_launch: GatherLaunch) -> None:
+    for name in ("slice_pairs", "warps"):
+        value = getattr(gather_launch, name)
+        if name == "slice_pairs" and value is None:
+            continue
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"GatherLaunch.{name}={value!r} must be a positive power of two")
+    if not isinstance(gather_launch.programs, int) or gather_launch.programs < 1:
+        raise ValueError(f"GatherLaunch.programs={gather_launch.programs!r} must be a "
+                         f"positive int")
+    if gather_launch.warps > 16:
+        raise ValueError(f"GatherLaunch.warps={gather_launch.warps} must be at most 16")
+
+
+def _launch_permute_and_gather(topk_ids: torch.Tensor, tables: list[torch.Tensor],
+                               first_expert: int, num_local_experts: int, align: int,
+                               launch: PermuteLaunch, gather_launch: GatherLaunch,
+                               traced: bool) -> list[torch.Tensor]:
+    """On checked arguments (``topk_ids`` and the tables contiguous): the gathered rows of each
+    table ([P, W] in its dtype), then the five buffers of :func:`_launch_permute`. The
+    one-launch form moves the rows in its own launch; the three-pass form's batches launch
+    ``kernels.gather``'s gather after the permutation."""
+    num_pairs = topk_ids.numel()
+    if not launch.chooses_single(num_pairs, num_local_experts):
+        outputs = _launch_permute(topk_ids, first_expert, num_local_experts, align, launch,
+                                  traced)
+        return _launch_gather(tables, outputs[0], topk_ids.shape[1], traced) + list(outputs)
+    capacity = permutation_capacity(num_pairs, num_local_experts, align)
+    outputs = _int32_buffers((capacity, num_local_experts, num_local_experts + 1, num_pairs, 2),
+                             topk_ids.device)
+    outs = [torch.empty((capacity, t.shape[1]), dtype=t.dtype, device=t.device)
+            for t in tables]
+    words = [word_dtype(t) for t in tables]
+    rows = RowCopy(tables=tuple(as_words(t, w) for t, w in zip(tables, words)),
+                   outs=tuple(as_words(o, w) for o, w in zip(outs, words)),
+                   widths=tuple(int(t.shape[1] * t.element_size() // w.itemsize)
+                                for t, w in zip(tables, words)),
+                   launch=gather_launch)
+    _launch_single(topk_ids, *outputs, capacity, first_expert, num_local_experts, align, launch,
+                   traced, rows=rows)
+    return outs + list(outputs)
+
+
+def _check_permute_and_gather(topk_ids, x, scales, num_experts, first_expert,
+                              num_local_experts, align):
+    """The checks of ``permute_by_expert`` and of ``gather_rows`` on x and scales (no host
+    read). Returns E_local."""
+    num_local = _check_permute(topk_ids, num_experts, first_expert, num_local_experts, align)
+    check_permute_and_gather_inputs(topk_ids, x, scales)
+    return num_local
+
+
+def _tables(x: torch.Tensor, scales: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.contiguous()] + ([] if scales is None else [scales.contiguous()])
+
+
+def _permute_and_gather_face(traced: bool):
+    def permute_and_gather_op(topk_ids: torch.Tensor, x: torch.Tensor,
+                              scales: Optional[torch.Tensor], num_experts: int,
+                              first_expert: int, num_local_experts: int, align: int,
+                              form: Optional[str], single_max_pairs: int, single_programs: int,
+                              single_warps: int, single_wide_warps: int, single_fill: int,
+                              single_chunk: int, block_pairs: int, scan_blocks: int,
+                              expert_chunk: int, place_warps: int, place_rank: int,
+                              overlap_previous: bool, gather_slice_pairs: Optional[int],
+                              gather_programs: int, gather_warps: int) -> list[torch.Tensor]:
+        """``moe_a2a::permute_and_gather``: the arguments (E_local given), then the fields of
+        :class:`PermuteLaunch` and of :class:`GatherLaunch` (prefixed ``gather_``) ->
+        [out, (out_scales when ``scales`` is given,) source_rows, expert_counts,
+        expert_offsets, inverse, id_range]: the public function's results in its order, the
+        id range (the device-read check's) last."""
+        _check_permute_and_gather(topk_ids, x, scales, num_experts, first_expert,
+                                  num_local_experts, align)
+        launch = PermuteLaunch(form, single_max_pairs, single_programs, single_warps,
+                               single_wide_warps, single_fill, single_chunk, block_pairs,
+                               scan_blocks, expert_chunk, place_warps, place_rank,
+                               overlap_previous)
+        gather_launch = GatherLaunch(gather_slice_pairs, gather_programs, gather_warps)
+        _check_gather_launch(gather_launch)
+        return _launch_permute_and_gather(topk_ids.contiguous(), _tables(x, scales),
+                                          first_expert, num_local_experts, align, launch,
+                                          gather_launch, traced)
+    library.check_config_parameters(permute_and_gather_op, PermuteLaunch, GatherLaunch,
+                                    prefixes=("", "gather_"))
+    return permute_and_gather_op
+
+
+def _permute_and_gather_torch(topk_ids: torch.Tensor, x: torch.Tensor,
+                              scales: Optional[torch.Tensor], num_experts: int,
+                              first_expert: int, num_local_experts: int, align: int
+                              ) -> list[torch.Tensor]:
+    _check_permute_and_gather(topk_ids, x, scales, num_experts, first_expert,
+                              num_local_experts, align)
+    buffers = _permute_torch(topk_ids, num_experts, first_expert, num_local_experts, align)
+    perm = Permutation(source_rows=buffers[0], expert_counts=buffers[1],
+                       expert_offsets=buffers[2], inverse=buffers[3],
+                       top_k=topk_ids.shape[1], align=align)
+    gathered = reference.gather_rows(x, perm, scales=scales, check_values=False)
+    return ([gathered] if scales is None else list(gathered)) + list(buffers)
+
+
+def _permute_and_gather_fake(topk_ids, x, scales, num_experts, first_expert, num_local_experts,
+                             align, *launch):
+    buffers = _permute_fake(topk_ids, num_experts, first_expert, num_local_experts, align)
+    capacity = buffers[0].shape[0]
+    tables = [x] + ([] if scales is None else [scales])
+    return [t.new_empty((capacity, t.shape[1])) for t in tables] + list(buffers)
+
+
+PERMUTE_AND_GATHER = library.register(
+    "permute_and_gather", triton=_permute_and_gather_face(True),
+    launch=_permute_and_gather_face(False), torch_face=_permute_and_gather_torch,
+    fake=_permute_and_gather_fake)
+
+
+def permute_and_gather(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int, *,
+                       scales: Optional[torch.Tensor] = None, first_expert: int = 0,
+                       num_local_experts: Optional[int] = None, align: int = 1,
+                       check_ids: bool = True, launch: PermuteLaunch = DEFAULT_PERMUTE,
+                       gather_launch: GatherLaunch = DEFAULT_GATHER) -> tuple:
+    """:func:`permute_by_expert` and ``kernels.gather.gather_rows`` of the rows of ``x`` (and
+    ``scales``) through it, fused: in the one-launch form (decode batches, the rule of
+    ``launch``) every program that places a slice of the pairs also copies their rows to their
+    places and zeroes the rows no pair fills, so the rows move in the permutation's own launch;
+    larger batches run the two ops one after the other. Equal, buffer for buffer and byte for
+    byte, to ``kernels.reference.permute_and_gather`` (the same arguments, the same errors).
+
+    Arguments:
+        topk_ids, num_experts, first_expert, num_local_experts, align, check_ids, launch: as
+            for :func:`permute_by_expert`; ``launch.overlap_previous`` promises that the
+            kernel just before wrote none of ``topk_ids`` (x and scales are read after the
+            wait, in any case).
+        x: [T, W] any dtype and strides (bf16 rows, packed NVFP4 uint8 [T, H/2], ...), the
+            rows of the T tokens of ``topk_ids``.
+        scales: optional [T, Ws] (e.g. NVFP4 scales uint8 [T, H/16], linear layout), gathered
+            with the same rows.
+        gather_launch: the copies' launch (:class:`GatherLaunch`).
+
+    Returns:
+        ``(permutation, out)``, or ``(permutation, out, out_scales)`` with ``scales``:
+        the :class:`Permutation` of :func:`permute_by_expert` and the gathered rows
+        ``out[p] = x[source_rows[p] // k]`` [P, W] (zeros where ``source_rows[p]`` is UNUSED),
+        as ``gather_rows(x, permutation, scales=scales)`` returns them.
+    """
+    num_local = _check_permute_and_gather(topk_ids, x, scales, num_experts, first_expert,
+                                          num_local_experts, align)
+    _check_gather_launch(gather_launch)
+    if library.eager_bypass(topk_ids, x, scales):
+        outputs = _launch_permute_and_gather(topk_ids.contiguous(), _tables(x, scales),
+                                             first_expert, num_local, align, launch,
+                                             gather_launch, traced=False)
+    else:
+        outputs = PERMUTE_AND_GATHER.triton(topk_ids, x, scales, num_experts, first_expert,
+                                            num_local, align, *library.config_fields(launch),
+                                            *library.config_fields(gather_launch))
+    source_rows, expert_counts, expert_offsets, inverse, id_range = outputs[-5:]
+    if check_ids:
+        library.run_value_check("permute_by_expert", [id_range], [num_experts])
+    permutation = Permutation(source_rows=source_rows, expert_counts=expert_counts,
+                              expert_offsets=expert_offsets, inverse=inverse,
+                              top_k=topk_ids.shape[1], align=align)
+    return (permutation, *outputs[:-5])

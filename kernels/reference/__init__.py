@@ -9,8 +9,9 @@ One module per op family: ``routing``, ``permute``, ``prepare`` (the local plan 
 simulation of the all-to-all), ``quant`` (NVFP4 / MXFP8 / MXFP4 and the scale layouts).
 """
 
-from kernels.reference.permute import (gather_rows, permute_by_expert,  # noqa: F401
-                                       reduce_slots, unpermute_and_reduce)
+from kernels.reference.permute import (gather_rows, permute_and_gather,  # noqa: F401
+                                       permute_by_expert, reduce_slots,
+                                       unpermute_and_reduce)
 from kernels.reference.prepare import (local_send_plan, simulate_alltoall,  # noqa: F401
                                        simulate_combine, simulate_dispatch)
 from kernels.reference.quant import (dequantize_mxfp4, dequantize_mxfp8,  # noqa: F401

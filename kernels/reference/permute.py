@@ -9,8 +9,9 @@ import torch
 
 from kernels.spec.casting import round_to_dtype
 from kernels.spec.permute import (check_gather_inputs, check_gather_values,
-                                  check_permute_inputs, check_unpermute_inputs,
-                                  check_unpermute_values, permutation_capacity)
+                                  check_permute_and_gather_inputs, check_permute_inputs,
+                                  check_unpermute_inputs, check_unpermute_values,
+                                  permutation_capacity)
 from kernels.types import UNUSED, Permutation
 
 
@@ -123,6 +124,24 @@ def gather_rows(x: torch.Tensor, rows: Union[torch.Tensor, Permutation], *,
     tokens = torch.where((rows >= 0) & (rows < limit), rows // top_k, UNUSED)
     out = gather_table_rows(x, tokens)
     return out if scales is None else (out, gather_table_rows(scales, tokens))
+
+
+def permute_and_gather(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int, *,
+                       scales: Optional[torch.Tensor] = None, first_expert: int = 0,
+                       num_local_experts: Optional[int] = None, align: int = 1,
+                       check_ids: bool = True) -> tuple:
+    """:func:`permute_by_expert`, then :func:`gather_rows` of x (and scales) through it: the
+    oracle of the fused op. x: [T, W] any dtype, one row per token of ``topk_ids`` [T, k];
+    scales: optional [T, Ws]. Returns ``(permutation, out)`` or ``(permutation, out,
+    out_scales)``; the errors of the two ops (the ids' first)."""
+    check_permute_inputs(topk_ids, num_experts, first_expert, num_local_experts, align,
+                         check_ids=False)
+    check_permute_and_gather_inputs(topk_ids, x, scales)
+    permutation = permute_by_expert(topk_ids, num_experts, first_expert=first_expert,
+                                    num_local_experts=num_local_experts, align=align,
+                                    check_ids=check_ids)
+    gathered = gather_rows(x, permutation, scales=scales, check_values=False)
+    return (permutation, gathered) if scales is None else (permutation, *gathered)
 
 
 def unpermute_and_reduce(expert_out: torch.Tensor, permutation: Permutation,

@@ -91,6 +91,22 @@ def check_gather_inputs(x: torch.Tensor, rows: Union[torch.Tensor, Permutation],
     return rows, top_k
 
 
+def check_permute_and_gather_inputs(topk_ids: torch.Tensor, x: torch.Tensor,
+                                    scales: Optional[torch.Tensor]) -> None:
+    """The row checks of ``permute_and_gather`` (after ``check_permute_inputs``; no host
+    read): x [T, W] and the optional scales [T, Ws] on the ids' device, one row per token of
+    ``topk_ids`` [T, k]."""
+    check_tensor("x", x, ndim=2, device=topk_ids.device)
+    if x.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows but topk_ids has {topk_ids.shape[0]} tokens; "
+                         f"pass one row of x per token")
+    if scales is not None:
+        check_tensor("scales", scales, ndim=2, device=x.device)
+        if scales.shape[0] != x.shape[0]:
+            raise ValueError(f"scales has {scales.shape[0]} rows but x has {x.shape[0]}; "
+                             f"pass the scales of x in the linear layout [T, H/16]")
+
+
 def check_gather_values(rows: torch.Tensor, num_tokens: int, top_k: int) -> None:
     """The device-read check of ``gather_rows`` (its ``check_values``; one host read): every
     entry of ``rows`` is UNUSED (-1) or in ``[0, T*top_k)``."""
