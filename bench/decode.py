@@ -14,6 +14,11 @@ routed scaling 2.5, H=7168, x bf16; the interpreter runs tiny ones, :class:`Deco
     gather_rows(x, source_rows)                      -> [P, H] bf16   (payload "bf16")
     unpermute_and_reduce(expert_out [P, H] bf16, permutation, weights) -> [T, H] bf16
 
+On the Triton rows the permutation and the gather run as one op, ``permute_and_gather``
+(kernels/permute.py: at decode sizes the programs that place the pairs also move their rows,
+one launch instead of two), except where the ``triton_overlap`` row keeps the NVFP4 gather
+apart (:func:`run_chain_overlapped`); the oracle runs the two ops.
+
 ``expert_out`` is a stand-in for the expert GEMMs' output (fixed random bf16 rows): the chain is
 everything around the experts. ``ep_size = 1`` (the shape's ``R``) models a rank that owns every
 expert: its send plan sends every token to itself, so the transport between the quantize and the
@@ -135,7 +140,9 @@ class DecodeOutputs:
 class ChainSteps:
     """The six ops of the chain, each a function with the signature of its oracle in
     ``kernels.reference`` (options such as ``backend=`` and ``check_ids=`` already bound);
-    ``quantize`` is ``scale_and_quantize_nvfp4``: x -> (packed, scales, global_scale)."""
+    ``quantize`` is ``scale_and_quantize_nvfp4``: x -> (packed, scales, global_scale).
+    ``permute_gather`` (optional): ``permute_and_gather``, the permutation and the payload's
+    gather in one op, run in place of ``permute`` and ``gather`` when given."""
 
     route: Callable
     plan: Callable
@@ -143,6 +150,7 @@ class ChainSteps:
     permute: Callable
     gather: Callable
     unpermute: Callable
+    permute_gather: Optional[Callable] = None
 
 
 def oracle_steps() -> ChainSteps:
@@ -154,14 +162,17 @@ def oracle_steps() -> ChainSteps:
                       gather=reference.gather_rows, unpermute=reference.unpermute_and_reduce)
 
 
-def triton_steps(routing_backend: str = "triton", overlap_previous: bool = False) -> ChainSteps:
+def triton_steps(routing_backend: str = "triton", overlap_previous: bool = False,
+                 fused: bool = True) -> ChainSteps:
     """Every step on ``backend="triton"`` with its device-read checks off (no host sync), the
     routing on ``routing_backend`` ("triton" or "flashinfer"). ``overlap_previous``: the
     quantize and the permutation overlap the kernel before them, as :func:`run_chain`'s order
-    allows (the module docstring says why); not for another order. The local send plan has no
-    stage function (it is a plain kernel, as the ``prepare`` stage notes): its launcher is
-    called directly."""
-    from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce
+    allows (the module docstring says why); not for another order. ``fused``: the permutation
+    and the gather run as one op, ``permute_and_gather`` (else the two ops). The local send
+    plan has no stage function (it is a plain kernel, as the ``prepare`` stage notes): its
+    launcher is called directly."""
+    from a2a.permute import (gather_rows, permute_and_gather, permute_by_expert,
+                             unpermute_and_reduce)
     from a2a.quantize import scale_and_quantize_nvfp4
     from a2a.routing import route_topk
     from kernels.prepare import local_send_plan
@@ -174,7 +185,10 @@ def triton_steps(routing_backend: str = "triton", overlap_previous: bool = False
                                   overlap_previous=overlap_previous, backend="triton"),
         gather=functools.partial(gather_rows, check_values=False, backend="triton"),
         unpermute=functools.partial(unpermute_and_reduce, check_values=False,
-                                    backend="triton"))
+                                    backend="triton"),
+        permute_gather=(functools.partial(permute_and_gather, check_ids=False,
+                                          overlap_previous=overlap_previous, backend="triton")
+                        if fused else None))
 
 
 def routing_options(bias: torch.Tensor) -> dict:
@@ -194,8 +208,7 @@ def after_routing(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor,
     else:
         global_scale, packed, scales = quantized
     plan = steps.plan(topk_ids, experts, shape["ep_size"], max_tokens_per_rank=shape["tokens"])
-    permutation = steps.permute(topk_ids, experts)
-    gathered = gather_payload(steps, shape, x, packed, scales, permutation)
+    permutation, gathered = permute_payload(steps, shape, topk_ids, x, packed, scales)
     out = steps.unpermute(expert_out, permutation, topk_weights)
     return DecodeOutputs(topk_ids, topk_weights, plan, global_scale, packed, scales,
                          permutation, gathered, out)
@@ -209,6 +222,21 @@ def gather_payload(steps: ChainSteps, shape: dict, x: torch.Tensor, packed: torc
         return tuple(steps.gather(packed, permutation.source_rows, scales=scales,
                                   top_k=shape["top_k"]))
     return (steps.gather(x, permutation.source_rows, top_k=shape["top_k"]),)
+
+
+def permute_payload(steps: ChainSteps, shape: dict, topk_ids: torch.Tensor, x: torch.Tensor,
+                    packed: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """(permutation, gathered): the permutation of ``topk_ids`` and :func:`gather_payload`'s
+    rows through it, by ``steps.permute_gather`` in one op where the steps have it."""
+    if steps.permute_gather is None:
+        permutation = steps.permute(topk_ids, shape["experts"])
+        return permutation, gather_payload(steps, shape, x, packed, scales, permutation)
+    if shape["payload"] == "nvfp4":
+        permutation, *gathered = steps.permute_gather(topk_ids, packed, shape["experts"],
+                                                      scales=scales)
+    else:
+        permutation, *gathered = steps.permute_gather(topk_ids, x, shape["experts"])
+    return permutation, tuple(gathered)
 
 
 def run_chain(steps: ChainSteps, shape: dict, logits: torch.Tensor, bias: torch.Tensor,
@@ -229,6 +257,11 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         streams[0] (the critical path):  route -> permute -> gather -> unpermute
         streams[1]:  global scale + quantize    (payload nvfp4: the gather waits for it)
         streams[2]:  (after route) local send plan
+
+    With the bf16 payload the permutation and the gather are one op (``steps.permute_gather``)
+    where the steps have it. The NVFP4 payload keeps the two apart: its fused op would read
+    the quantized rows, so it would wait for the quantize, which the permutation alone runs
+    beside (on an H100 at T=256 the fused op there made the row about 1 us slower).
 
     The gather and the un-permute stay in that order on one stream although the bench's
     un-permute reads the fixed ``expert_out`` and not the gathered rows: in a step the expert
@@ -254,8 +287,12 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
     with torch.cuda.stream(quant_stream):
         packed, scales, global_scale = steps.quantize(x)
         quantized.record(quant_stream)
-    with torch.cuda.stream(critical):
-        permutation = steps.permute(topk_ids, experts)
+    # The fused permutation and gather of NVFP4 rows would wait for the quantize: that
+    # payload keeps the permutation beside the quantize, and the gather after both.
+    fused = steps.permute_gather is not None and shape["payload"] == "bf16"
+    if not fused:
+        with torch.cuda.stream(critical):
+            permutation = steps.permute(topk_ids, experts)
     with torch.cuda.stream(plan_stream):
         plan_stream.wait_event(routed)
         plan = steps.plan(topk_ids, experts, shape["ep_size"],
@@ -264,7 +301,10 @@ def run_chain_overlapped(steps: ChainSteps, shape: dict, logits: torch.Tensor,
         # the NVFP4 rows exist once the quantize has run; the bf16 rows read x alone
         if shape["payload"] == "nvfp4":
             critical.wait_event(quantized)
-        gathered = gather_payload(steps, shape, x, packed, scales, permutation)
+        if fused:
+            permutation, gathered = permute_payload(steps, shape, topk_ids, x, packed, scales)
+        else:
+            gathered = gather_payload(steps, shape, x, packed, scales, permutation)
         out = steps.unpermute(expert_out, permutation, topk_weights)
     for stream in streams:
         current.wait_stream(stream)
