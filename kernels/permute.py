@@ -602,6 +602,7 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
     if rows is not None:
         slice_pairs = rows.launch.slice_for(num_pairs)
         warps = max(warps, rows.launch.warps)
+        chunk = max(chunk, 32 * warps)  # (still at least one id per thread: single_tile)
         second = len(rows.tables) - 1
         gather = dict(table_ptr=rows.tables[0], out_ptr=rows.outs[0],
                       table2_ptr=rows.tables[second], out2_ptr=rows.outs[second],
