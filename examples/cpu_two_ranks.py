@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import a2a  # noqa: E402
-from a2a.permute import gather_rows, permute_by_expert, unpermute_and_reduce  # noqa: E402
+from a2a.permute import permute_and_gather, unpermute_and_reduce  # noqa: E402
 from a2a.routing import route_topk  # noqa: E402
 from kernels.spec import FLOAT_TOLERANCES  # noqa: E402
 
@@ -54,12 +54,13 @@ def layer_step(rank: int, world_size: int, port: int) -> None:
         plan = ep.prepare(ids, weights)         # AlltoallPlan: who sends which token where
         received = ep.dispatch(x, plan)         # [N*R, H]: the rows whose experts live here
 
-        # The local experts [first, first + local): rows in expert-major order, the toy
-        # expert compute, then each received row's weighted sum over its local slots.
+        # The local experts [first, first + local): rows in expert-major order (the
+        # permutation and the row gather as one op), the toy expert compute, then each
+        # received row's weighted sum over its local slots.
         local = NUM_EXPERTS // world_size
-        order = permute_by_expert(plan.recv_expert_ids, NUM_EXPERTS, first_expert=rank * local,
-                                  num_local_experts=local, backend="triton")
-        rows = gather_rows(received, order, backend="triton")               # [P, H]
+        order, rows = permute_and_gather(plan.recv_expert_ids, received, NUM_EXPERTS,
+                                         first_expert=rank * local,
+                                         num_local_experts=local, backend="triton")  # [P, H]
         counts = order.expert_counts.tolist()
         starts = order.expert_offsets.tolist()
         for e in range(local):
