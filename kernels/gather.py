@@ -19,7 +19,8 @@ from torch.library import wrap_triton
 
 from kernels import library, reference
 from kernels.casting import round_to
-from kernels.hardware import can_run_ptx, grid_dependency, grid_dependency_prologue
+from kernels.hardware import (can_run_ptx, grid_dependency, grid_dependency_prologue,
+                              l2_cache_bytes)
 from kernels.sizes import cdiv, next_power_of_2
 from kernels.spec.permute import (check_gather_inputs, check_gather_values,
                                   check_inverse_values, check_unpermute_inputs,
@@ -217,15 +218,17 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
                                  num_rows, hidden, weight_stride_token, weight_stride_slot,
                                  TOP_K: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                                  BLOCK_COLS: tl.constexpr, RN_ASM: tl.constexpr,
-                                 PDL: tl.constexpr):
+                                 LOAD_POLICY: tl.constexpr, PDL: tl.constexpr):
     """``out[t] = sum_j w[t, j] * expert_out[inverse[t*k + j]]`` over the owned slots, j in
     fixed order 0..k-1, float32 accumulation: each slot is one rounded multiply and one
     rounded add, exactly as the oracle computes. RN_ASM (a GPU): the multiply and the add are
     ``mul.rn`` / ``add.rn`` inline PTX, which no compiler fuses into an FMA, so the bits hold
     also where the launch option ``enable_fp_fusion=False`` is not passed on (Inductor compiles
     a registered op's kernels with its own launch options); else (the interpreter) plain
-    ``*`` and ``+``, launched with fp fusion off. The next kernel launches as the programs exit,
-    not beside them (``kernels.hardware``, "Programmatic dependent launch")."""
+    ``*`` and ``+``, launched with fp fusion off. LOAD_POLICY: the L2 eviction policy of the
+    loads of ``expert_out`` ("" or "evict_first", :func:`unpermute_load_policy`; the same
+    bits either way). The next kernel launches as the programs exit, not beside them
+    (``kernels.hardware``, "Programmatic dependent launch")."""
     grid_dependency_prologue(PDL, LAUNCH_NEXT=False)
     tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -238,7 +241,8 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
         weight = tl.load(weights_ptr + tokens * weight_stride_token + slot * weight_stride_slot,
                          mask=owned, other=0).to(tl.float32)
         values = tl.load(expert_out_ptr + rows.to(tl.int64)[:, None] * hidden + cols[None, :],
-                         mask=owned[:, None] & col_ok[None, :], other=0).to(tl.float32)
+                         mask=owned[:, None] & col_ok[None, :], other=0,
+                         eviction_policy=LOAD_POLICY).to(tl.float32)
         if RN_ASM:
             weights = tl.broadcast_to(weight[:, None], [BLOCK_TOKENS, BLOCK_COLS])
             total = _add_rn(acc, _mul_rn(weights, values))
@@ -258,17 +262,43 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
 UNPERMUTE_TILE = 1024
 UNPERMUTE_BLOCK_COLS = 512
 
+# The un-permute is the last reader of the experts' output: rows of more than this fraction of
+# the L2 are loaded evict-first (unpermute_load_policy).
+EVICT_FIRST_L2_FRACTION = 0.5
+
+
+def unpermute_load_policy(expert_bytes, l2_bytes: int) -> str:
+    """The L2 eviction policy of the un-permute's loads of ``expert_bytes`` bytes of expert
+    output on a device of ``l2_bytes`` of L2 (0: none to choose, as under the interpreter):
+    "evict_first" past :data:`EVICT_FIRST_L2_FRACTION` of the L2, else the default ("").
+
+    Why: nothing reads the experts' output after the un-permute. Kept at the default priority,
+    rows of more than half the L2 push out most of what the next kernels would find there (a
+    decode step at T=256, E=256, k=8, H=7168 reads 29 MB of them, with the gathered rows still
+    to be written back); evict-first, they are the first lines to go. A smaller output
+    displaces less, and there the default policy keeps what the bench's stand-in for the
+    GEMMs' output, one buffer read at every replay, finds again in L2 at the next. The same
+    bits either way. A symbolic size (a trace with dynamic shapes) takes the default."""
+    if l2_bytes <= 0 or isinstance(expert_bytes, torch.SymInt):
+        return ""
+    return "evict_first" if expert_bytes > EVICT_FIRST_L2_FRACTION * l2_bytes else ""
+
 
 def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
-                      topk_weights: torch.Tensor, traced: bool) -> torch.Tensor:
+                      topk_weights: torch.Tensor, traced: bool,
+                      load_policy: Optional[str] = None) -> torch.Tensor:
     """The launch on checked tensors (``expert_out`` and ``inverse`` copied to contiguous
-    tensors here); ``traced`` as in :func:`_launch_gather`."""
+    tensors here); ``traced`` as in :func:`_launch_gather`; ``load_policy``: None for
+    :func:`unpermute_load_policy`'s (tests pass one to run the other on any device)."""
     num_tokens, top_k = topk_weights.shape
     hidden = int(expert_out.shape[1])  # static: a traced H is specialised
     out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
     if out.numel() == 0:
         return out
     expert_out = expert_out.contiguous()
+    if load_policy is None:
+        load_policy = unpermute_load_policy(expert_out.numel() * expert_out.element_size(),
+                                            l2_cache_bytes(expert_out.device))
     block_cols = min(UNPERMUTE_BLOCK_COLS, next_power_of_2(hidden))
     block_tokens = UNPERMUTE_TILE // block_cols
     grid = (cdiv(num_tokens, block_tokens), cdiv(hidden, block_cols))
@@ -276,7 +306,8 @@ def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,
     kernel[grid](expert_out, inverse.contiguous(), topk_weights, out, num_tokens,
                  expert_out.shape[0], hidden, topk_weights.stride(0), topk_weights.stride(1),
                  TOP_K=top_k, BLOCK_TOKENS=block_tokens, BLOCK_COLS=block_cols,
-                 RN_ASM=can_run_ptx(expert_out.device), num_warps=4, enable_fp_fusion=False,
+                 RN_ASM=can_run_ptx(expert_out.device), LOAD_POLICY=load_policy, num_warps=4,
+                 enable_fp_fusion=False,
                  **grid_dependency(expert_out.device, traced))
     return out
 

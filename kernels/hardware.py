@@ -1,6 +1,6 @@
 """What the launchers ask of the machine: whether Triton interprets, whether inline PTX can run,
-how many SMs a device has, whether kernels can be launched with PDL. One place, so that every
-launcher answers the same way.
+how many SMs and how much L2 a device has, whether kernels can be launched with PDL. One place,
+so that every launcher answers the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +42,21 @@ def num_sms(device: torch.device) -> int:
         return INTERPRETER_SMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_sms(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """Bytes of ``device``'s L2 cache (read once per device and cached); 0 for a CPU tensor or
+    under the interpreter, which have no cache policy to choose."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_l2_bytes(index)
 
 
 # ---------------------------------------------------------------------------------------------

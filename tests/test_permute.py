@@ -382,6 +382,28 @@ def test_unpermute_equals_oracle(device, seed, dtype, num_tokens, top_k, num_exp
     assert torch.equal(got, want)
 
 
+def test_unpermute_load_policy_is_evict_first_past_half_the_l2():
+    l2 = 50 << 20                                          # an H100's or H200's L2
+    policy = triton_gather.unpermute_load_policy
+    assert policy(l2 // 2, l2) == "" and policy(l2 // 2 + 1, l2) == "evict_first"
+    # a decode step's expert output, E=256 k=8 H=7168 bf16: T=128 below, T=256 past
+    assert policy(128 * 8 * 7168 * 2, l2) == "" and policy(256 * 8 * 7168 * 2, l2) == "evict_first"
+    assert policy(1 << 40, 0) == ""                        # no cache to choose for (the CPU)
+
+
+@pytest.mark.parametrize("load_policy", ["", "evict_first"])
+def test_unpermute_either_load_policy_equals_oracle(device, seed, load_policy):
+    # both policies on any device (the rule picks one by the output's size and the GPU's L2)
+    num_tokens, top_k, num_experts, hidden = 33, 8, 64, 200
+    topk_ids = random_ids(num_tokens, top_k, num_experts, device)
+    perm = reference.permute_by_expert(topk_ids, num_experts, align=16)
+    expert_out = torch.randn(perm.source_rows.numel(), hidden, device=device).to(torch.bfloat16)
+    weights = torch.rand(num_tokens, top_k, device=device)
+    got = triton_gather._launch_unpermute(expert_out, perm.inverse, weights, traced=False,
+                                          load_policy=load_policy)
+    assert torch.equal(got, reference.unpermute_and_reduce(expert_out, perm, weights))
+
+
 def test_unpermute_strided_weights_and_rounding_ties(device):
     # w*x = 1 + 3*2^-8 is a bf16 tie: nearest even gives 1 + 2^-6 (truncation 1 + 2^-7).
     topk_ids = torch.tensor([[0, 1], [1, 1], [2, 2]], dtype=torch.int32, device=device)
