@@ -262,26 +262,32 @@ def _unpermute_and_reduce_kernel(expert_out_ptr, inverse_ptr, weights_ptr, out_p
 UNPERMUTE_TILE = 1024
 UNPERMUTE_BLOCK_COLS = 512
 
-# The un-permute is the last reader of the experts' output: rows of more than this fraction of
-# the L2 are loaded evict-first (unpermute_load_policy).
-EVICT_FIRST_L2_FRACTION = 0.5
+# The un-permute is the last reader of the experts' output: rows of more than
+# EVICT_FIRST_MIN_L2S and at most EVICT_FIRST_MAX_L2s times the L2 are loaded evict-first
+# (unpermute_load_policy).
+EVICT_FIRST_MIN_L2S, EVICT_FIRST_MAX_L2S = 0.5, 4
 
 
 def unpermute_load_policy(expert_bytes, l2_bytes: int) -> str:
     """The L2 eviction policy of the un-permute's loads of ``expert_bytes`` bytes of expert
     output on a device of ``l2_bytes`` of L2 (0: none to choose, as under the interpreter):
-    "evict_first" past :data:`EVICT_FIRST_L2_FRACTION` of the L2, else the default ("").
+    "evict_first" for more than :data:`EVICT_FIRST_MIN_L2S` and at most
+    :data:`EVICT_FIRST_MAX_L2S` times the L2, else the default ("").
 
     Why: nothing reads the experts' output after the un-permute. Kept at the default priority,
     rows of more than half the L2 push out most of what the next kernels would find there (a
     decode step at T=256, E=256, k=8, H=7168 reads 29 MB of them, with the gathered rows still
     to be written back); evict-first, they are the first lines to go. A smaller output
     displaces less, and there the default policy keeps what the bench's stand-in for the
-    GEMMs' output, one buffer read at every replay, finds again in L2 at the next. The same
-    bits either way. A symbolic size (a trace with dynamic shapes) takes the default."""
+    GEMMs' output, one buffer read at every replay, finds again in L2 at the next. An output of
+    several times the L2 replaces all of it either way: there evict-first loads did not help
+    the chain and slowed the un-permute alone (docs/design.md). The same bits either way. A
+    symbolic size (a trace with dynamic shapes) takes the default."""
     if l2_bytes <= 0 or isinstance(expert_bytes, torch.SymInt):
         return ""
-    return "evict_first" if expert_bytes > EVICT_FIRST_L2_FRACTION * l2_bytes else ""
+    if EVICT_FIRST_MIN_L2S * l2_bytes < expert_bytes <= EVICT_FIRST_MAX_L2S * l2_bytes:
+        return "evict_first"
+    return ""
 
 
 def _launch_unpermute(expert_out: torch.Tensor, inverse: torch.Tensor,

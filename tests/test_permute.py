@@ -382,13 +382,16 @@ def test_unpermute_equals_oracle(device, seed, dtype, num_tokens, top_k, num_exp
     assert torch.equal(got, want)
 
 
-def test_unpermute_load_policy_is_evict_first_past_half_the_l2():
+def test_unpermute_load_policy_is_evict_first_from_half_to_four_times_the_l2():
     l2 = 50 << 20                                          # an H100's or H200's L2
     policy = triton_gather.unpermute_load_policy
     assert policy(l2 // 2, l2) == "" and policy(l2 // 2 + 1, l2) == "evict_first"
-    # a decode step's expert output, E=256 k=8 H=7168 bf16: T=128 below, T=256 past
-    assert policy(128 * 8 * 7168 * 2, l2) == "" and policy(256 * 8 * 7168 * 2, l2) == "evict_first"
-    assert policy(1 << 40, 0) == ""                        # no cache to choose for (the CPU)
+    assert policy(4 * l2, l2) == "evict_first" and policy(4 * l2 + 1, l2) == ""
+    # a decode step's expert output, E=256 k=8 H=7168 bf16 (T*k rows): T=128 below,
+    # T=256 and T=1024 inside, T=2048 past
+    rows = [policy(tokens * 8 * 7168 * 2, l2) for tokens in (128, 256, 1024, 2048)]
+    assert rows == ["", "evict_first", "evict_first", ""]
+    assert policy(1 << 28, 0) == ""                        # no cache to choose for (the CPU)
 
 
 @pytest.mark.parametrize("load_policy", ["", "evict_first"])
