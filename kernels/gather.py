@@ -263,7 +263,7 @@ UNPERMUTE_TILE = 1024
 UNPERMUTE_BLOCK_COLS = 512
 
 # The un-permute is the last reader of the experts' output: rows of more than
-# EVICT_FIRST_MIN_L2S and at most EVICT_FIRST_MAX_L2s times the L2 are loaded evict-first
+# EVICT_FIRST_MIN_L2S and at most EVICT_FIRST_MAX_L2S times the L2 are loaded evict-first
 # (unpermute_load_policy).
 EVICT_FIRST_MIN_L2S, EVICT_FIRST_MAX_L2S = 0.5, 4
 
