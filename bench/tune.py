@@ -143,12 +143,12 @@ def rotating_nvfp4(x: torch.Tensor, gs: torch.Tensor, layout: str,
     writes reach DRAM within the timed replay (checks that a store policy's gain is not such
     reuse)."""
     from kernels import quantize as Q
+    from kernels.hardware import l2_cache_bytes
     from kernels.spec import swizzled_scale_shape
     rows, hidden = x.shape
     scale_shape = swizzled_scale_shape(rows, hidden // 16, layout)
     out_bytes = rows * hidden // 2 + scale_shape[0] * scale_shape[1]
-    l2_bytes = (torch.cuda.get_device_properties(x.device).L2_cache_size if x.is_cuda
-                else out_bytes)
+    l2_bytes = l2_cache_bytes(x.device) or out_bytes  # (0 where there is no L2 to outrun)
     buffers = [(torch.empty(rows, hidden // 2, dtype=torch.uint8, device=x.device),
                 torch.empty(scale_shape, dtype=torch.uint8, device=x.device))
                for _ in range(max(2, -(-4 * l2_bytes // out_bytes)))]

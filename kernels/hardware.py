@@ -30,33 +30,36 @@ def can_run_ptx(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of the CUDA ``device`` (the current device where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _compiled_properties(device: torch.device):
+    """The properties of the GPU that kernels on ``device`` run compiled on (read once per
+    device and cached); None for a CPU tensor or under the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return None
+    return _cuda_properties(_cuda_index(device))
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (read once per device and cached);
-    ``INTERPRETER_SMS`` for a CPU tensor or under the interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreting():
-        return INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_sms(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_l2_bytes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).L2_cache_size
+    """Streaming multiprocessors of ``device``; ``INTERPRETER_SMS`` for a CPU tensor or under
+    the interpreter."""
+    properties = _compiled_properties(device)
+    return INTERPRETER_SMS if properties is None else properties.multi_processor_count
 
 
 def l2_cache_bytes(device: torch.device) -> int:
-    """Bytes of ``device``'s L2 cache (read once per device and cached); 0 for a CPU tensor or
-    under the interpreter, which have no cache policy to choose."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreting():
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_l2_bytes(index)
+    """Bytes of ``device``'s L2 cache; 0 for a CPU tensor or under the interpreter, which have
+    no cache policy to choose."""
+    properties = _compiled_properties(device)
+    return 0 if properties is None else properties.L2_cache_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +117,7 @@ def capability(device: torch.device) -> Optional[tuple[int, int]]:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index)
+    return _cuda_capability(_cuda_index(device))
 
 
 def pdl_supported(device: torch.device) -> bool:
