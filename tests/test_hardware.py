@@ -32,10 +32,10 @@ def test_pdl_follows_the_architecture_and_is_off_when_traced():
 
 @pytest.mark.gpu
 def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
-    """Every kernel one call of the decode chain launches on an SM90+ GPU is a variant with the
-    ``PDL`` constexpr on and Triton's ``launch_pdl`` option set, all but the un-permute let
-    the next kernel launch at their start, and those the chain lets overlap the kernel before
-    them load before they wait."""
+    """Every kernel a call of the decode chain launches on an SM90+ GPU (with the permutation
+    and the gather fused or not) is a variant with the ``PDL`` constexpr on and Triton's
+    ``launch_pdl`` option set, all but the un-permute let the next kernel launch at their
+    start, and those the chain lets overlap the kernel before them load before they wait."""
     device = torch.device("cuda", torch.cuda.current_device())
     if not hardware.pdl_supported(device):
         pytest.skip("PDL needs SM90 or later; this GPU launches without it")
@@ -51,7 +51,11 @@ def test_the_decode_chains_kernels_are_compiled_and_launched_with_pdl():
     for kernel in kernels:
         kernel.device_caches[device.index][0].clear()
     shape = dict(payload="nvfp4", ep_size=1, tokens=16, **DEEPSEEK_R1)
-    DecodeChain(triton_steps(overlap_previous=True), decode_inputs(shape, device), shape)()
+    inputs = decode_inputs(shape, device)
+    # the chain as the bench runs it (the permutation and the gather as one op,
+    # permute_and_gather) and with the two ops apart: between them every kernel above launches
+    for fused in (True, False):
+        DecodeChain(triton_steps(overlap_previous=True, fused=fused), inputs, shape)()
     torch.cuda.synchronize(device)
     for kernel in kernels:
         variants = list(kernel.device_caches[device.index][0].values())
