@@ -161,13 +161,19 @@ class GatherLaunch:
     programs: the rule's programs (about two per SM).
     warps: the least warps per program (the permutation's own rule may give more): 4 and 8
         were within a few % of each other in that run, 8 ahead at T=256.
-    Each copy step moves a [slice_pairs, ROW_TILE] tile, ROW_TILE the row's words rounded up
-    to a power of two, at most ROW_WORDS_PER_THREAD words per thread.
+    group_tokens: one load of a token's row serves all the slice's pairs of that token
+        (:meth:`RowCopy.copies`: where the slices start at token boundaries or lie inside one
+        token), stored once per pair; else a load per pair. With the rule's slices at E=256
+        k=8 a program's pairs are one token's (T=256: slice 8) or a quarter of one (slice 2).
+    Each copy step moves a [rows, ROW_TILE] tile (rows: the slice's tokens with
+    ``group_tokens``, else its pairs), ROW_TILE the row's words rounded up to a power of two,
+    at most ROW_WORDS_PER_THREAD words per thread.
     """
 
     slice_pairs: Optional[int] = None
     programs: int = 256
     warps: int = 8
+    group_tokens: bool = True
 
     def slice_for(self, num_pairs) -> int:
         """The pairs per program for ``num_pairs`` = T*k (an int; a symbolic size while traced
@@ -197,11 +203,19 @@ class RowCopy:
     widths: tuple
     launch: GatherLaunch
 
-    def row_tile(self, slice_pairs: int, warps: int) -> int:
+    def row_tile(self, tile_rows: int, warps: int) -> int:
         """Words of a row per copy step: the widest row rounded up to a power of two, at most
-        ROW_WORDS_PER_THREAD words per thread over the slice's rows."""
-        most = max(1, ROW_WORDS_PER_THREAD * 32 * warps // slice_pairs)
+        ROW_WORDS_PER_THREAD words per thread over the tile's ``tile_rows`` rows."""
+        most = max(1, ROW_WORDS_PER_THREAD * 32 * warps // tile_rows)
         return max(1, min(next_power_of_2(max(max(self.widths), 1)), most))
+
+    def copies(self, slice_pairs: int, top_k: int) -> int:
+        """Pairs of one token in a slice whose row one load serves (``COPIES``): min(slice, k)
+        where the slices start at token boundaries or lie inside one token (one divides the
+        other), else 1 (a load per pair)."""
+        if self.launch.group_tokens and (slice_pairs % top_k == 0 or top_k % slice_pairs == 0):
+            return min(slice_pairs, top_k)
+        return 1
 
 
 def histogram_bins(num_local_experts: int) -> int:
@@ -235,15 +249,39 @@ def histogram_bins(num_local_experts: int) -> int:
 
 
 @triton.jit
-def _copy_rows(table_ptr, out_ptr, tokens, places, ok, width, ROW_TILE: tl.constexpr):
-    """``out[places[i], :] = table[tokens[i], :]`` for every i with ``ok[i]`` (int64 row
-    indices; rows of ``width`` elements), ROW_TILE elements of each row at a time."""
+def _load_row_tile(table_ptr, tokens, wanted, width, start, ROW_TILE: tl.constexpr):
+    """Columns [start, start + ROW_TILE) of the rows ``tokens`` (int64) of ``table`` (rows of
+    ``width`` elements), where ``wanted``: a [rows, ROW_TILE] tile."""
+    cols = start + tl.arange(0, ROW_TILE)
+    return tl.load(table_ptr + tokens[:, None] * width + cols[None, :],
+                   mask=wanted[:, None] & (cols[None, :] < width))
+
+
+@triton.jit
+def _store_row_tile(out_ptr, values, places, owned, width, start, ROW_TILE: tl.constexpr,
+                    COPIES: tl.constexpr):
+    """``values`` (a [rows, ROW_TILE] tile of columns from ``start``) into the rows
+    ``places[r, j]`` of ``out`` for every copy j with ``owned[r, j]`` ([rows, COPIES])."""
+    cols = start + tl.arange(0, ROW_TILE)
+    copy = tl.arange(0, COPIES)
+    for j in tl.static_range(COPIES):
+        place = tl.sum(tl.where(copy[None, :] == j, places, 0), axis=1).to(tl.int64)
+        ok = tl.sum(tl.where((copy[None, :] == j) & owned, 1, 0), axis=1) > 0
+        tl.store(out_ptr + place[:, None] * width + cols[None, :], values,
+                 mask=ok[:, None] & (cols[None, :] < width))
+
+
+@triton.jit
+def _copy_rows(table_ptr, out_ptr, tokens, places, owned, width, ROW_TILE: tl.constexpr,
+               COPIES: tl.constexpr):
+    """``out[places[r, j], :] = table[tokens[r], :]`` for every copy j with ``owned[r, j]``
+    (int64 tokens; rows of ``width`` elements), ROW_TILE elements of each row at a time. One
+    load of a token's row serves its COPIES pairs."""
+    wanted = tl.max(owned.to(tl.int32), axis=1) > 0
     start = 0
     while start < width:
-        cols = start + tl.arange(0, ROW_TILE)
-        mask = ok[:, None] & (cols[None, :] < width)
-        values = tl.load(table_ptr + tokens[:, None] * width + cols[None, :], mask=mask)
-        tl.store(out_ptr + places[:, None] * width + cols[None, :], values, mask=mask)
+        values = _load_row_tile(table_ptr, tokens, wanted, width, start, ROW_TILE)
+        _store_row_tile(out_ptr, values, places, owned, width, start, ROW_TILE, COPIES)
         start += ROW_TILE
 
 
@@ -268,7 +306,8 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
                            FILL_EXPERTS: tl.constexpr, ALIGN_TILE: tl.constexpr,
                            TAIL_BLOCK: tl.constexpr, OVERLAP_PREVIOUS: tl.constexpr,
                            TABLES: tl.constexpr, ROW_TILE: tl.constexpr,
-                           ZERO_ROWS: tl.constexpr, PDL: tl.constexpr):
+                           COPIES: tl.constexpr, ZERO_ROWS: tl.constexpr, ZERO_TILE: tl.constexpr,
+                           PDL: tl.constexpr):
     if not OVERLAP_PREVIOUS:
         grid_dependency_prologue(PDL)
     program = tl.program_id(0)
@@ -334,12 +373,16 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
         tl.store(source_rows_ptr + place, mine, mask=my_owned)
         tl.store(inverse_ptr + mine, tl.where(my_owned, place, UNUSED_ENTRY), mask=mine_valid)
         if TABLES > 0:  # permute_and_gather: the slice's rows of the tables to their places
-            tokens = tl.where(my_owned, mine // top_k, 0).to(tl.int64)
-            _copy_rows(table_ptr, out_ptr, tokens, place.to(tl.int64), my_owned, width,
-                       ROW_TILE)
+            # the slice's pairs as [token, copy], COPIES pairs of one token per row
+            # (RowCopy.copies): one load of a token's row serves them all
+            tokens = (((program - 1) * SLICE + tl.arange(0, SLICE // COPIES) * COPIES) //
+                      top_k).to(tl.int64)
+            places = tl.reshape(place, [SLICE // COPIES, COPIES])
+            owned_rows = tl.reshape(my_owned, [SLICE // COPIES, COPIES])
+            _copy_rows(table_ptr, out_ptr, tokens, places, owned_rows, width, ROW_TILE, COPIES)
             if TABLES == 2:
-                _copy_rows(table2_ptr, out2_ptr, tokens, place.to(tl.int64), my_owned,
-                           width2, ROW_TILE)
+                _copy_rows(table2_ptr, out2_ptr, tokens, places, owned_rows, width2, ROW_TILE,
+                           COPIES)
 
     if ALIGN_TILE > 0:  # the padding inside the segments
         pad_starts = starts + counts
@@ -385,9 +428,9 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
                 segment_pad = tl.gather(pad_from, tl.where(in_range, segment, 0), axis=0)
                 empty = empty | (in_range & (rows >= segment_pad) & (rows < capacity))
             if tl.max(empty.to(tl.int32), axis=0) > 0:
-                _zero_rows(out_ptr, rows.to(tl.int64), empty, width, ROW_TILE)
+                _zero_rows(out_ptr, rows.to(tl.int64), empty, width, ZERO_TILE)
                 if TABLES == 2:
-                    _zero_rows(out2_ptr, rows.to(tl.int64), empty, width2, ROW_TILE)
+                    _zero_rows(out2_ptr, rows.to(tl.int64), empty, width2, ZERO_TILE)
             start += programs * ZERO_ROWS
 
 
@@ -598,17 +641,20 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
     chunk, slice_pairs, warps = single_tile(num_pairs, num_local_experts, launch)
     gather = dict(table_ptr=source_rows, out_ptr=source_rows, table2_ptr=source_rows,
                   out2_ptr=source_rows, top_k=1, width=0, width2=0, TABLES=0, ROW_TILE=1,
-                  ZERO_ROWS=1)
+                  COPIES=1, ZERO_ROWS=1, ZERO_TILE=1)
     if rows is not None:
         slice_pairs = rows.launch.slice_for(num_pairs)
         warps = max(warps, rows.launch.warps)
         chunk = max(chunk, 32 * warps)  # (still at least one id per thread: single_tile)
         second = len(rows.tables) - 1
+        copies = rows.copies(slice_pairs, topk_ids.shape[1])
         gather = dict(table_ptr=rows.tables[0], out_ptr=rows.outs[0],
                       table2_ptr=rows.tables[second], out2_ptr=rows.outs[second],
                       top_k=topk_ids.shape[1], width=rows.widths[0], width2=rows.widths[second],
-                      TABLES=len(rows.tables), ROW_TILE=rows.row_tile(slice_pairs, warps),
-                      ZERO_ROWS=slice_pairs)
+                      TABLES=len(rows.tables),
+                      ROW_TILE=rows.row_tile(slice_pairs // copies, warps), COPIES=copies,
+                      ZERO_ROWS=slice_pairs,
+                      ZERO_TILE=rows.row_tile(slice_pairs, warps))
     programs = torch.sym_max(1 + cdiv(num_pairs, slice_pairs),
                              cdiv(capacity, launch.single_fill))
     # The padding of one expert is < align rows: a tile of ALIGN_TILE columns per expert (0: no
@@ -856,7 +902,8 @@ def _permute_and_gather_face(traced: bool):
                               single_chunk: int, block_pairs: int, scan_blocks: int,
                               expert_chunk: int, place_warps: int, place_rank: int,
                               overlap_previous: bool, gather_slice_pairs: Optional[int],
-                              gather_programs: int, gather_warps: int) -> list[torch.Tensor]:
+                              gather_programs: int, gather_warps: int,
+                              gather_group_tokens: bool) -> list[torch.Tensor]:
         """``moe_a2a::permute_and_gather``: the arguments (E_local given), then the fields of
         :class:`PermuteLaunch` and of :class:`GatherLaunch` (prefixed ``gather_``) ->
         [out, (out_scales when ``scales`` is given,) source_rows, expert_counts,
@@ -868,7 +915,8 @@ def _permute_and_gather_face(traced: bool):
                                single_wide_warps, single_fill, single_chunk, block_pairs,
                                scan_blocks, expert_chunk, place_warps, place_rank,
                                overlap_previous)
-        gather_launch = GatherLaunch(gather_slice_pairs, gather_programs, gather_warps)
+        gather_launch = GatherLaunch(gather_slice_pairs, gather_programs, gather_warps,
+                                     gather_group_tokens)
         _check_gather_launch(gather_launch)
         return _launch_permute_and_gather(topk_ids.contiguous(), _tables(x, scales),
                                           first_expert, num_local_experts, align, launch,

@@ -83,6 +83,7 @@ def test_permute_and_gather_on_both_sides_of_the_rule(device, seed, num_tokens, 
     triton_permute.GatherLaunch(slice_pairs=2, warps=4),
     triton_permute.GatherLaunch(slice_pairs=16, warps=8),
     triton_permute.GatherLaunch(programs=1),
+    triton_permute.GatherLaunch(slice_pairs=8, group_tokens=False),
 ], ids=str)
 @pytest.mark.parametrize("dtype, width", [(torch.uint8, 7), (torch.int16, 5),
                                           (torch.float32, 33), (torch.bfloat16, 0)])
@@ -100,6 +101,35 @@ def test_gather_launch_rule():
     assert [rule.slice_for(pairs) for pairs in (1, 128, 512, 1024, 2048, 8192)] == \
         [2, 2, 2, 4, 8, 16]
     assert triton_permute.GatherLaunch(slice_pairs=4).slice_for(2048) == 4
+
+
+def test_row_copies_rule():
+    """One load of a token's row serves the slice's pairs of that token where the slices start
+    at token boundaries or lie inside one token; else a load per pair."""
+    def copies(slice_pairs, top_k, group_tokens=True):
+        launch = triton_permute.GatherLaunch(group_tokens=group_tokens)
+        return triton_permute.RowCopy((), (), (1,), launch).copies(slice_pairs, top_k)
+    assert [copies(s, 8) for s in (1, 2, 4, 8, 16)] == [1, 2, 4, 8, 8]
+    assert [copies(s, 3) for s in (1, 2, 4, 8)] == [1, 1, 1, 1]
+    assert [copies(s, 6) for s in (1, 2, 4, 8)] == [1, 2, 1, 1]
+    assert copies(8, 8, group_tokens=False) == 1
+
+
+@pytest.mark.parametrize("top_k, slice_pairs", [(3, 2), (6, 2), (6, 4), (4, 8), (8, 2)])
+@pytest.mark.parametrize("group_tokens", [True, False])
+def test_permute_and_gather_token_copies(device, seed, top_k, slice_pairs, group_tokens):
+    """Slices that split a token's pairs, hold whole tokens, or straddle two tokens, with
+    pairs of other ranks' experts among them (E_local 5 of 12 from 4) and padding, a load per
+    token or per pair, with and without overlap_previous: the oracle's bytes."""
+    topk_ids = random_ids(29, top_k, 12, device)
+    x = rows_of(29, 9, device)
+    scales = torch.randint(0, 256, (29, 2), dtype=torch.uint8, device=device)
+    gather_launch = triton_permute.GatherLaunch(slice_pairs=slice_pairs,
+                                                group_tokens=group_tokens)
+    for overlap in (False, True):
+        check(topk_ids, x, 12, scales=scales, first_expert=4, num_local_experts=5, align=4,
+              gather_launch=gather_launch,
+              launch=triton_permute.PermuteLaunch(overlap_previous=overlap))
 
 
 def test_permute_and_gather_is_deterministic(device, seed):
