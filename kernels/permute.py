@@ -162,7 +162,7 @@ class GatherLaunch:
     warps: the least warps per program (the permutation's own rule may give more): 4 and 8
         were within a few % of each other in that run, 8 ahead at T=256.
     group_tokens: one load of a token's row serves all the slice's pairs of that token
-        (:meth:`RowCopy.copies`: where the slices start at token boundaries or lie inside one
+        (:meth:`copies`: where the slices start at token boundaries or lie inside one
         token), stored once per pair; else a load per pair. With the rule's slices at E=256
         k=8 a program's pairs are one token's (T=256: slice 8) or a quarter of one (slice 2).
     Each copy step moves a [rows, ROW_TILE] tile (rows: the slice's tokens with
@@ -184,6 +184,14 @@ class GatherLaunch:
             return MAX_GATHER_SLICE
         return max(MIN_GATHER_SLICE,
                    min(MAX_GATHER_SLICE, next_power_of_2(cdiv(num_pairs, self.programs))))
+
+    def copies(self, slice_pairs: int, top_k: int) -> int:
+        """Pairs of one token in a slice whose row one load serves (``COPIES``): min(slice, k)
+        where the slices start at token boundaries or lie inside one token (one divides the
+        other) and ``group_tokens``, else 1 (a load per pair)."""
+        if self.group_tokens and (slice_pairs % top_k == 0 or top_k % slice_pairs == 0):
+            return min(slice_pairs, top_k)
+        return 1
 
 
 DEFAULT_GATHER = GatherLaunch()
@@ -208,14 +216,6 @@ class RowCopy:
         ROW_WORDS_PER_THREAD words per thread over the tile's ``tile_rows`` rows."""
         most = max(1, ROW_WORDS_PER_THREAD * 32 * warps // tile_rows)
         return max(1, min(next_power_of_2(max(max(self.widths), 1)), most))
-
-    def copies(self, slice_pairs: int, top_k: int) -> int:
-        """Pairs of one token in a slice whose row one load serves (``COPIES``): min(slice, k)
-        where the slices start at token boundaries or lie inside one token (one divides the
-        other), else 1 (a load per pair)."""
-        if self.launch.group_tokens and (slice_pairs % top_k == 0 or top_k % slice_pairs == 0):
-            return min(slice_pairs, top_k)
-        return 1
 
 
 def histogram_bins(num_local_experts: int) -> int:
@@ -249,15 +249,6 @@ def histogram_bins(num_local_experts: int) -> int:
 
 
 @triton.jit
-def _load_row_tile(table_ptr, tokens, wanted, width, start, ROW_TILE: tl.constexpr):
-    """Columns [start, start + ROW_TILE) of the rows ``tokens`` (int64) of ``table`` (rows of
-    ``width`` elements), where ``wanted``: a [rows, ROW_TILE] tile."""
-    cols = start + tl.arange(0, ROW_TILE)
-    return tl.load(table_ptr + tokens[:, None] * width + cols[None, :],
-                   mask=wanted[:, None] & (cols[None, :] < width))
-
-
-@triton.jit
 def _store_row_tile(out_ptr, values, places, owned, width, start, ROW_TILE: tl.constexpr,
                     COPIES: tl.constexpr):
     """``values`` (a [rows, ROW_TILE] tile of columns from ``start``) into the rows
@@ -280,7 +271,9 @@ def _copy_rows(table_ptr, out_ptr, tokens, places, owned, width, ROW_TILE: tl.co
     wanted = tl.max(owned.to(tl.int32), axis=1) > 0
     start = 0
     while start < width:
-        values = _load_row_tile(table_ptr, tokens, wanted, width, start, ROW_TILE)
+        cols = start + tl.arange(0, ROW_TILE)
+        values = tl.load(table_ptr + tokens[:, None] * width + cols[None, :],
+                         mask=wanted[:, None] & (cols[None, :] < width))
         _store_row_tile(out_ptr, values, places, owned, width, start, ROW_TILE, COPIES)
         start += ROW_TILE
 
@@ -374,7 +367,7 @@ def _permute_single_kernel(topk_ids_ptr, source_rows_ptr, expert_counts_ptr,
         tl.store(inverse_ptr + mine, tl.where(my_owned, place, UNUSED_ENTRY), mask=mine_valid)
         if TABLES > 0:  # permute_and_gather: the slice's rows of the tables to their places
             # the slice's pairs as [token, copy], COPIES pairs of one token per row
-            # (RowCopy.copies): one load of a token's row serves them all
+            # (GatherLaunch.copies): one load of a token's row serves them all
             tokens = (((program - 1) * SLICE + tl.arange(0, SLICE // COPIES) * COPIES) //
                       top_k).to(tl.int64)
             places = tl.reshape(place, [SLICE // COPIES, COPIES])
@@ -647,7 +640,7 @@ def _launch_single(topk_ids, source_rows, expert_counts, expert_offsets, inverse
         warps = max(warps, rows.launch.warps)
         chunk = max(chunk, 32 * warps)  # (still at least one id per thread: single_tile)
         second = len(rows.tables) - 1
-        copies = rows.copies(slice_pairs, topk_ids.shape[1])
+        copies = rows.launch.copies(slice_pairs, topk_ids.shape[1])
         gather = dict(table_ptr=rows.tables[0], out_ptr=rows.outs[0],
                       table2_ptr=rows.tables[second], out2_ptr=rows.outs[second],
                       top_k=topk_ids.shape[1], width=rows.widths[0], width2=rows.widths[second],

@@ -107,8 +107,8 @@ def test_row_copies_rule():
     """One load of a token's row serves the slice's pairs of that token where the slices start
     at token boundaries or lie inside one token; else a load per pair."""
     def copies(slice_pairs, top_k, group_tokens=True):
-        launch = triton_permute.GatherLaunch(group_tokens=group_tokens)
-        return triton_permute.RowCopy((), (), (1,), launch).copies(slice_pairs, top_k)
+        return triton_permute.GatherLaunch(group_tokens=group_tokens).copies(slice_pairs,
+                                                                             top_k)
     assert [copies(s, 8) for s in (1, 2, 4, 8, 16)] == [1, 2, 4, 8, 8]
     assert [copies(s, 3) for s in (1, 2, 4, 8)] == [1, 1, 1, 1]
     assert [copies(s, 6) for s in (1, 2, 4, 8)] == [1, 2, 1, 1]
