@@ -112,7 +112,7 @@ def flashinfer_prepare(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   sends a negative id to rank 0).
     topk_weights: [T, k] float32 contiguous.
     workspace:    [R, words] uint64, FlashInfer's prepare workspace (zeroed once; its kernels
-                  leave it zeroed again), ``workspace_bytes.flashinfer_prepare_workspace_bytes``.
+                  leave it zeroed again), ``a2a.workspace.flashinfer_prepare_workspace_bytes``.
     Collective (every rank of the workspace's group calls it). The statistics are gathered for
     the S slots, so ``expert_counts`` is [R, S].
     """

@@ -76,9 +76,10 @@ class AlltoallResources:
             elif kind == "flashinfer_prepare":
                 size = workspace.flashinfer_prepare_workspace_bytes(self.ep_size)
             else:
-                size = workspace.triton_prepare_workspace_bytes(
+                from a2a.triton_prepare import prepare_workspace_words
+                size = workspace.WORD_BYTES * int(prepare_workspace_words(
                     self.ep_size, self.max_tokens_per_rank, self.top_k, self.num_experts,
-                    self.slot_count)
+                    self.slot_count))
             self.workspaces[kind] = workspace.MnnvlWorkspace(self.group, size, self.device)
         return self.workspaces[kind].tensor
 
@@ -92,8 +93,9 @@ class AlltoallResources:
                 raise self._missing(f"Triton transport's {kind} workspace for rows of "
                                     f"{row_bytes} bytes")
             from a2a import workspace
-            size = workspace.triton_transport_workspace_bytes(
-                self.ep_size, self.max_tokens_per_rank, row_bytes)
+            from a2a.triton_transport import transport_workspace_bytes
+            size = int(transport_workspace_bytes(self.ep_size, self.max_tokens_per_rank,
+                                                 row_bytes))
             self.workspaces[key] = workspace.MnnvlWorkspace(self.group, size, self.device)
             self.counters[key] = torch.zeros(1, dtype=torch.int64, device=self.device)
             if self.transport_status is None:

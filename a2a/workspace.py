@@ -137,19 +137,3 @@ def flashinfer_prepare_workspace_bytes(ep_size: int) -> int:
     """Bytes per rank of FlashInfer's ``moe_prepare`` workspace (builds its module once)."""
     from flashinfer.comm.trtllm_alltoall import get_moe_prepare_workspace_size_per_rank
     return int(get_moe_prepare_workspace_size_per_rank(ep_size))
-
-
-def triton_prepare_workspace_bytes(ep_size: int, max_tokens_per_rank: int, top_k: int,
-                                   num_experts: int, slot_count: int) -> int:
-    """Bytes per rank of the Triton prepare's workspace (``a2a.triton_prepare``)."""
-    from a2a.triton_prepare import prepare_workspace_words
-    return WORD_BYTES * int(prepare_workspace_words(ep_size, max_tokens_per_rank, top_k,
-                                                    num_experts, slot_count))
-
-
-def triton_transport_workspace_bytes(ep_size: int, max_tokens_per_rank: int,
-                                     row_bytes: int) -> int:
-    """Bytes per rank of one Triton-transport workspace (``a2a.triton_transport``): one
-    transfer kind (dispatch or combine) of rows of ``row_bytes`` bytes."""
-    from a2a.triton_transport import transport_workspace_bytes
-    return int(transport_workspace_bytes(ep_size, max_tokens_per_rank, row_bytes))
