@@ -28,6 +28,7 @@ from kernels import library, reference
 from kernels.hardware import grid_dependency, grid_dependency_prologue
 from kernels.sizes import cdiv, next_power_of_2
 from kernels.gather import _launch_gather, as_words, word_dtype
+from kernels.spec.launch import checked_launch
 from kernels.spec.permute import (check_permute_and_gather_inputs, check_permute_inputs,
                                   permutation_capacity)
 from kernels.spec.tensors import check_expert_ids
@@ -53,7 +54,13 @@ WIDE_CHUNK = 2048
 WIDE_BINS = 256
 
 
-@dataclass(frozen=True)
+FORMS = ("single", "three_pass")
+
+
+@checked_launch(positive=("single_max_pairs", "single_programs", "single_fill"),
+                powers_of_two=("single_chunk", "block_pairs", "scan_blocks", "expert_chunk"),
+                warps=("single_warps", "single_wide_warps", "place_warps"),
+                choices={"form": FORMS, "place_rank": (RANK_COMPARE, RANK_ONEHOT)})
 class PermuteLaunch:
     """Launch rule of ``permute_by_expert`` (``python -m bench.tune`` times the alternatives and
     records them in bench/results/tune-*.json).
@@ -125,9 +132,6 @@ class PermuteLaunch:
     def chooses_single(self, num_pairs: int, num_local_experts: int) -> bool:
         """Whether ``T*k = num_pairs`` pairs over ``num_local_experts`` run the one-launch form."""
         if self.form is not None:
-            if self.form not in FORMS:
-                raise ValueError(f"PermuteLaunch.form={self.form!r} must be one of {FORMS} or "
-                                 f"None (the rule)")
             return self.form == "single"
         return num_pairs <= self.single_limit(num_local_experts)
 
@@ -137,7 +141,6 @@ class PermuteLaunch:
         return self.single_max_pairs * 512 // max(512, histogram_bins(num_local_experts))
 
 
-FORMS = ("single", "three_pass")
 DEFAULT_PERMUTE = PermuteLaunch()
 # The three-pass form as it was before the one-launch form (one-hot ranks in pass 3, blocks of
 # 256 pairs, pass 2 on [128, 32] tiles).
@@ -145,7 +148,18 @@ ONEHOT_PERMUTE = PermuteLaunch(form="three_pass", place_rank=RANK_ONEHOT, block_
                                scan_blocks=128, expert_chunk=32)
 
 
-@dataclass(frozen=True)
+# GatherLaunch.warps: at most 16, the widest launch of the tests and the bench (the rule's
+# programs take 8).
+MAX_GATHER_WARPS = 16
+
+
+def _check_gather_warps(launch) -> None:
+    if launch.warps > MAX_GATHER_WARPS:
+        raise ValueError(f"GatherLaunch.warps={launch.warps} must be at most {MAX_GATHER_WARPS}")
+
+
+@checked_launch(positive=("programs",), powers_of_two=("slice_pairs",), warps=("warps",),
+                extra=_check_gather_warps)
 class GatherLaunch:
     """Launch of :func:`permute_and_gather`'s row copies in the one-launch form (the
     three-pass form's batches run :func:`permute_by_expert`, then ``kernels.gather``'s own
@@ -830,20 +844,6 @@ def permute_by_expert(topk_ids: torch.Tensor, num_experts: int, *, first_expert:
 # permute_and_gather: the permutation and the row gather in one launch
 # =============================================================================================
 
-def _check_gather_launch(gather_launch: GatherLaunch) -> None:
-    for name in ("slice_pairs", "warps"):
-        value = getattr(gather_launch, name)
-        if name == "slice_pairs" and value is None:
-            continue
-        if not isinstance(value, int) or value < 1 or value & (value - 1):
-            raise ValueError(f"GatherLaunch.{name}={value!r} must be a positive power of two")
-    if not isinstance(gather_launch.programs, int) or gather_launch.programs < 1:
-        raise ValueError(f"GatherLaunch.programs={gather_launch.programs!r} must be a "
-                         f"positive int")
-    if gather_launch.warps > 16:
-        raise ValueError(f"GatherLaunch.warps={gather_launch.warps} must be at most 16")
-
-
 def _launch_permute_and_gather(topk_ids: torch.Tensor, tables: list[torch.Tensor],
                                first_expert: int, num_local_experts: int, align: int,
                                launch: PermuteLaunch, gather_launch: GatherLaunch,
@@ -910,7 +910,6 @@ def _permute_and_gather_face(traced: bool):
                                overlap_previous)
         gather_launch = GatherLaunch(gather_slice_pairs, gather_programs, gather_warps,
                                      gather_group_tokens)
-        _check_gather_launch(gather_launch)
         return _launch_permute_and_gather(topk_ids.contiguous(), _tables(x, scales),
                                           first_expert, num_local_experts, align, launch,
                                           gather_launch, traced)
@@ -978,7 +977,6 @@ def permute_and_gather(topk_ids: torch.Tensor, x: torch.Tensor, num_experts: int
     """
     num_local = _check_permute_and_gather(topk_ids, x, scales, num_experts, first_expert,
                                           num_local_experts, align)
-    _check_gather_launch(gather_launch)
     if library.eager_bypass(topk_ids, x, scales):
         outputs = _launch_permute_and_gather(topk_ids.contiguous(), _tables(x, scales),
                                              first_expert, num_local, align, launch,

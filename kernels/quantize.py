@@ -41,6 +41,7 @@ from kernels.spec.quant import (MX_BLOCK, NVFP4_BLOCK, QUANT_INPUT_DTYPES, SCALE
                                 check_quantize_nvfp4_args, check_quantize_nvfp4_values,
                                 check_scale_and_quantize_nvfp4_args, check_swizzle_args,
                                 check_unswizzle_args, swizzled_scale_shape)
+from kernels.spec.launch import checked_launch
 from kernels.spec.tensors import check_tensor
 
 LAYOUT_IDS = {name: i for i, name in enumerate(SCALE_LAYOUTS)}  # the kernels' LAYOUT constexpr
@@ -57,7 +58,8 @@ class _Target:
     ptx:     None: the GPU-only paths (inline PTX) are used where the tensor runs compiled on a
              GPU; True forces them (``tests.sm_compile`` builds GPU variants from CPU tensors);
              False turns them off (tests of the portable path on a GPU).
-    num_sms: the SM count the small-M rules aim at; None reads the device's.
+    num_sms: the SM count the small-M rules aim at; None reads the device's; 0 sets no
+             minimum grid (tests walk several tiles per program with it).
     """
 
     ptx: Optional[bool] = None
@@ -70,7 +72,13 @@ class _Target:
         return hardware.num_sms(device) if self.num_sms is None else self.num_sms
 
 
-@dataclass(frozen=True)
+# Where NVFP4Launch.store_policy may put the packed stores in L2 ("": the default priority).
+STORE_POLICIES = ("", "evict_first", "evict_last")
+
+
+@checked_launch(positive=("steps", "maxnreg"), non_negative=("num_sms",),
+                powers_of_two=("tile_elements", "max_blocks"), warps=("num_warps",),
+                choices={"prefetch": (1, 2, 3), "store_policy": STORE_POLICIES})
 class NVFP4Launch(_Target):
     """Launch rule of ``quantize_nvfp4``: tiles of about ``tile_elements`` elements (at most
     ``max_blocks`` scale blocks wide) on ``num_warps`` warps; ``steps`` tiles per program along
@@ -88,7 +96,8 @@ class NVFP4Launch(_Target):
     word_asm: bool = True
 
 
-@dataclass(frozen=True)
+@checked_launch(non_negative=("num_sms",), powers_of_two=("tile_elements", "max_blocks"),
+                warps=("num_warps",))
 class BlockLaunch(_Target):
     """Launch rule of the MX quantizers and the dequantizers: tiles of about ``tile_elements``
     elements, at most ``max_blocks`` scale blocks wide, on ``num_warps`` warps. On a GPU,
@@ -102,7 +111,8 @@ class BlockLaunch(_Target):
     word_asm: bool = True
 
 
-@dataclass(frozen=True)
+@checked_launch(positive=("programs_per_sm",), non_negative=("num_sms",),
+                powers_of_two=("tile_cols", "tile_rows", "finish_block"), warps=("num_warps",))
 class AmaxLaunch(_Target):
     """Launch rule of ``nvfp4_global_scale``: a persistent grid of ``programs_per_sm`` programs
     per SM, each looping over [``tile_rows``, ``tile_cols``] tiles (16 KiB of bf16 per step on

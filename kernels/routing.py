@@ -68,7 +68,6 @@ thread instead of one per value, and the same bits as div.rn for every value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -80,6 +79,7 @@ from triton.language.extra import libdevice
 from kernels import library, reference
 from kernels.hardware import grid_dependency, grid_dependency_prologue, interpreting
 from kernels.sizes import cdiv, next_power_of_2
+from kernels.spec.launch import checked_launch
 from kernels.spec.routing import NAN_WEIGHT_BITS, check_routing_args
 
 # Low 16 bits of a packed key hold ID_LIMIT - id: larger for smaller ids, so ties go to the
@@ -127,7 +127,14 @@ GROUP_ROUNDS = 0     # topk_groups rounds of argmax over the group keys
 GROUP_COUNT = 1      # rank of each group = groups ranked above it, by one [G, G] compare
 
 
-@dataclass(frozen=True)
+@checked_launch(positive=("elements_per_program", "target_programs"),
+                powers_of_two=("rows_per_program",), warps=("num_warps",),
+                choices={"compact": (COMPACT_NONE, COMPACT_GATHER, COMPACT_RELOAD),
+                         "keys": (KEYS_PACKED64, KEYS_SPLIT32, KEYS_QUEUES),
+                         "group_select": (GROUP_ROUNDS, GROUP_COUNT),
+                         "weights_from": (WEIGHTS_RELOAD, WEIGHTS_CARRY, WEIGHTS_LOAD_EACH),
+                         "reciprocal": (RECIP_DIV_RN, RECIP_FMA, RECIP_FMA_TILE),
+                         "group_top2": (TOP2_COUNT, TOP2_PAIRS)})
 class RoutingLaunch:
     """Launch rule of ``route_topk`` (``python -m bench.tune`` times the alternatives and
     records them in bench/results/tune-*.json).

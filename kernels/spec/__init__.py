@@ -27,6 +27,10 @@ What every face does alike (each op's docstring repeats its part):
   ``nvfp4_global_scale`` gives 1.0 for all-zero (or empty) x.
 - Dequantizers refuse scales of any shape but the format's ([M, H/32] for MX; [Mp, Kp] or flat
   for NVFP4) and an output dtype other than float32/bf16/fp16.
+- Launch configurations (``PermuteLaunch``, ``GatherLaunch``, ``NVFP4Launch``, ``BlockLaunch``,
+  ``AmaxLaunch``, ``RoutingLaunch``) refuse a field of the wrong type (TypeError) or out of
+  range (ValueError) where they are made (``launch``), so the eager launch and the registered
+  op see the same configs.
 - Float results are rounded to nearest even once, every NaN written as one canonical NaN per
   dtype (``casting``); byte movers (``gather_rows``) keep the bytes. An e2m1 code of a NaN is
   0x7 (no sign), e4m3 0x7F; the swizzled padding of NVFP4 scales is 0.
