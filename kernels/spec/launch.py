@@ -5,20 +5,19 @@
 Each class is declared with :func:`checked_launch` (a frozen dataclass with a
 ``__post_init__``): a field of the wrong type or out of its range is refused where the config
 is made, naming the class, the field and the value, instead of where (and whether) a launch
-reads it. So every face of an
-op sees the same valid configs: the eager launch, and the registered op, whose schema takes the
-fields one by one (a ``bool`` field given 1 or "no" would otherwise be read as true by one and
-refused by the other).
+reads it. So every face of an op sees the same valid configs: the eager launch, and the
+registered op, whose schema takes the fields one by one (a ``bool`` field given 1 or "no"
+would otherwise be read as true by one and refused by the other).
 
 - Type (TypeError): a field annotated ``bool``, ``int`` or ``str`` (or ``Optional`` of one)
   takes only that type (a bool is not an int here) or None where optional. A symbolic value
   (``torch.SymInt``, ``torch.SymBool``, as a config rebuilt inside a trace may hold) passes;
   its range is not checked.
 - Range (ValueError): ``positive`` fields are >= 1, ``non_negative`` ones >= 0;
-  ``powers_of_two`` fields are a power of two
-  (their tiles are ``tl.arange`` extents); ``warps`` fields are a power of two in
-  ``[1, MAX_WARPS]`` (a CTA holds at most 1024 threads); ``choices`` fields are one of the
-  values listed. An optional field's None is always accepted (the rule).
+  ``powers_of_two`` fields are a power of two (their tiles are ``tl.arange`` extents);
+  ``warps`` fields are a power of two in ``[1, MAX_WARPS]`` (a CTA holds at most 1024
+  threads); ``choices`` fields are one of the values listed. An optional field's None is
+  always accepted (the rule).
 
 The check runs only isinstance tests and comparisons on a table made once per class (when the
 module defining it is imported), so a config made inside a ``torch.compile`` region traces.
