@@ -4,6 +4,7 @@ field and the value; the defaults and every config the library and the bench bui
 a config made inside a compiled region traces."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -58,9 +59,8 @@ BAD = [
 @pytest.mark.parametrize("cls, field, value, error, words", BAD,
                          ids=[f"{c.__name__}.{f}={v!r}" for c, f, v, _, _ in BAD])
 def test_bad_field_is_refused_where_the_config_is_made(cls, field, value, error, words):
-    with pytest.raises(error, match=rf"{cls.__name__}\.{field}={value!r} .*"
-                       + words.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(error, match=rf"{cls.__name__}\.{field}={re.escape(repr(value))} "
+                       rf".*{re.escape(words)}"):
         cls(**{field: value})
     # dataclasses.replace makes a new object: the same check
     with pytest.raises(error):
